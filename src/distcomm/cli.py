@@ -1,0 +1,50 @@
+"""The ``distcomm`` command line: ``distcomm store``, ``distcomm info``, ``distcomm bench``.
+
+Each subcommand lives in the module that owns its subject and registers
+itself here through :data:`COMMANDS`: a name, a help line, a function adding
+its arguments to a parser, and a function running it (returns the exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: name -> (module, help).  The module defines ``add_arguments(parser)`` and ``run(args)``.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "store": ("distcomm.store.serve", "run a standalone TCPStore server"),
+    "info": ("distcomm.info", "print what distcomm sees on this machine"),
+    "bench": ("distcomm.bench.cli", "measure distcomm (and compare with torch)"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (None: all of them)."""
+    parser = argparse.ArgumentParser(
+        prog="distcomm", description="Collective communication for Python processes."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        if command is None or command == name:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``distcomm`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    args = build_parser(command).parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

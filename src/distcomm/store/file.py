@@ -1,0 +1,453 @@
+"""``FileStore``: a store kept in one file, shared by the processes of a host
+or of a shared file system.
+
+File format
+-----------
+The file starts with the 22-byte line ``distcomm.FileStore v1\\n``, followed by
+an append-only log of records.  Each record is::
+
+    kind       u8             1 SET, 2 DELETE, 3 APPEND, 4 BATCH
+    key_len    u32 little-endian
+    value_len  u64 little-endian
+    key        key_len bytes of UTF-8
+    value      value_len bytes
+
+SET stores ``value`` under ``key``; DELETE removes ``key`` (empty value);
+APPEND adds ``value`` to the end of ``key``'s bytes; BATCH has an empty key and
+complete records as its value, applied all together (``multi_set``).
+Replaying the log from the start gives the store's contents.
+
+Locking
+-------
+Each instance keeps its own file descriptor, an in-memory dict and the offset
+it has read up to.  Every operation takes ``fcntl.flock`` on that descriptor
+(shared to read, exclusive to write), reads the records appended since its last
+visit, and a write then appends with ``pwrite`` before the lock is released.  A
+``threading.Lock`` serialises the threads of one instance.  Blocking ``get``,
+``wait`` and ``multi_get`` poll, backing off from 1 ms to 16 ms, and hold no
+lock while they sleep.
+
+A writer killed mid-append leaves a torn trailing record.  Readers leave it
+unread (it never becomes a value), and the next writer, holding the exclusive
+lock, truncates it before appending.  BATCH keeps ``multi_set`` all-or-nothing
+even then.
+
+Users
+-----
+The internal key ``__distcomm__/filestore/users`` counts open instances.  The
+constructor adds one (refusing more than ``world_size``), ``close`` takes one
+away, and the last user to close deletes the file.  An opener that races with
+that deletion notices (its descriptor's inode is no longer the one at the path)
+and opens the path again.  A process that dies without closing leaves its count
+behind: remove such a stale file before reusing its path.  A forked child may
+use an inherited instance (it reopens the file for a lock of its own) but is not
+a user: closing it there leaves the count alone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
+from ..errors import DistInputError, DistStoreError, DistStoreTimeoutError, DistTypeError
+from .base import INTERNAL_PREFIX, Store, apply_add, apply_compare_set, timeout_message, visible
+
+__all__ = ["FileStore"]
+
+MAGIC = b"distcomm.FileStore v1\n"
+SET, DELETE, APPEND, BATCH = 1, 2, 3, 4
+HEADER = struct.Struct("<BIQ")
+USERS_KEY = INTERNAL_PREFIX + "filestore/users"
+_POLL_FIRST, _POLL_MAX = 0.001, 0.016
+
+
+def _record(kind: int, key: str, value: bytes = b"") -> bytes:
+    """One encoded record."""
+    raw = key.encode()
+    return HEADER.pack(kind, len(raw), len(value)) + raw + value
+
+
+class _Corrupt(Exception):
+    def __init__(self, pos: int, reason: str) -> None:
+        super().__init__(reason)
+        self.pos, self.reason = pos, reason
+
+
+def _replay(buf: memoryview, data: dict[str, bytes]) -> int:
+    """Apply the complete records at the start of ``buf`` to ``data``.
+
+    Returns how many bytes they span; an incomplete record at the end is left.
+    """
+    pos, end, size = 0, len(buf), HEADER.size
+    while end - pos >= size:
+        kind, key_len, value_len = HEADER.unpack_from(buf, pos)
+        if not SET <= kind <= BATCH:
+            raise _Corrupt(pos, f"unknown record kind {kind}")
+        key_end = pos + size + key_len
+        stop = key_end + value_len
+        if stop > end:
+            break
+        try:
+            key = str(buf[pos + size : key_end], "utf-8")
+        except UnicodeDecodeError:
+            raise _Corrupt(pos, "key is not UTF-8") from None
+        if kind == SET:
+            data[key] = bytes(buf[key_end:stop])
+        elif kind == DELETE:
+            data.pop(key, None)
+        elif kind == APPEND:
+            data[key] = data.get(key, b"") + bytes(buf[key_end:stop])
+        else:
+            if key_len or _replay(buf[key_end:stop], data) != value_len:
+                raise _Corrupt(pos, "malformed batch record")
+        pos = stop
+    return pos
+
+
+def _pread(fd: int, size: int, offset: int) -> bytes:
+    chunks = []
+    while size > 0:
+        chunk = os.pread(fd, min(size, 1 << 30), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _check_path(file_name: object) -> str:
+    try:
+        path = os.fspath(file_name)  # type: ignore[arg-type]
+    except TypeError:
+        path = None
+    if not isinstance(path, str):
+        raise DistTypeError(
+            f"FileStore file_name must be a str or os.PathLike path, got {type(file_name).__name__}"
+        )
+    if not path or "\0" in path:
+        raise DistInputError(f"FileStore file_name {path!r} is not a valid path")
+    path = os.path.abspath(path)
+    if not os.path.isdir(os.path.dirname(path)):
+        raise DistInputError(
+            f"FileStore file {path!r} cannot be created: its directory does not exist"
+        )
+    return path
+
+
+# Instances with an open descriptor, so a forked child can take them over.
+_open_stores: weakref.WeakSet[FileStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_open_stores):
+        store._lock = threading.Lock()
+        store._forked = True
+        store._owner = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class FileStore(Store):
+    """A store in the file ``file_name``, shared by every process that opens it.
+
+    ``world_size`` is how many instances may have the file open at once (a
+    negative value: any number).  The last instance to ``close`` deletes the
+    file.  Close each instance (or use it as a context manager); a forgotten
+    one is closed when garbage-collected.
+    """
+
+    _fd: int | None = None
+
+    def __init__(
+        self,
+        file_name: str | os.PathLike[str],
+        world_size: int = -1,
+        timeout: Timeout = DEFAULT_STORE_TIMEOUT,
+    ) -> None:
+        super().__init__(timeout)
+        path = _check_path(file_name)
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise DistTypeError(
+                f"FileStore world_size must be int, got {type(world_size).__name__}"
+            )
+        if world_size == 0:
+            raise DistInputError(
+                "FileStore world_size must be positive, or negative for any number"
+            )
+        self._path = path
+        self._world_size = world_size
+        self._lock = threading.Lock()
+        self._data: dict[str, bytes] = {}
+        self._offset = 0  # bytes of the file applied to _data
+        self._owner = True  # this instance counts as one user of the file
+        self._forked = False  # _fd was inherited through fork
+        self._fd = self._join()
+        _open_stores.add(self)
+
+    @property
+    def path(self) -> str:
+        """Absolute path of the file."""
+        return self._path
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def __repr__(self) -> str:
+        state = "" if self._fd is not None else ", closed"
+        return f"FileStore({self._path!r}, world_size={self._world_size}{state})"
+
+    def __reduce__(self) -> object:
+        raise DistTypeError(
+            f"FileStore {self._path!r} cannot be pickled; create a FileStore in each process"
+        )
+
+    # -- opening and closing ---------------------------------------------
+    def _join(self) -> int:
+        """Open the file, register as a user and return the descriptor."""
+        while True:
+            try:
+                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+                raise DistInputError(f"FileStore cannot open {self._path!r}: {e.strerror}") from e
+            except OSError as e:
+                raise DistStoreError(f"FileStore cannot open {self._path!r}: {e.strerror}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if self._is_current(fd):
+                    self._sync(fd, exclusive=True)
+                    users = self._users() + 1
+                    if 0 < self._world_size < users:
+                        raise DistInputError(
+                            f"FileStore {self._path!r} would have {users} users but world_size "
+                            f"is {self._world_size} (a stale file from an earlier run?)"
+                        )
+                    self._commit(fd, _record(SET, USERS_KEY, str(users).encode()))
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    return fd
+            except OSError as e:
+                os.close(fd)
+                raise DistStoreError(f"FileStore cannot open {self._path!r}: {e.strerror}") from e
+            except BaseException:
+                os.close(fd)
+                raise
+            # The last user deleted the file after we opened it: start again.
+            os.close(fd)
+            self._data.clear()
+            self._offset = 0
+
+    def _is_current(self, fd: int) -> bool:
+        """Whether ``fd`` is still the file at the path (not deleted or replaced)."""
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return False
+        fst = os.fstat(fd)
+        return (st.st_ino, st.st_dev) == (fst.st_ino, fst.st_dev)
+
+    def _users(self) -> int:
+        try:
+            return int(self._data.get(USERS_KEY, b"0"))
+        except ValueError:
+            return 0
+
+    def close(self) -> None:
+        """Stop using the file; the last user deletes it.  Idempotent."""
+        with self._lock:
+            fd = self._fd
+            if fd is None:
+                return
+            self._fd = None
+            _open_stores.discard(self)
+            try:
+                if self._owner:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    self._sync(fd, exclusive=True)
+                    users = self._users() - 1
+                    if users > 0:
+                        self._commit(fd, _record(SET, USERS_KEY, str(users).encode()))
+                    elif self._is_current(fd):
+                        os.unlink(self._path)
+            except OSError as e:
+                raise DistStoreError(f"FileStore cannot close {self._path!r}: {e.strerror}") from e
+            finally:
+                os.close(fd)
+
+    def __del__(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- reading and writing the log --------------------------------------
+    def _usable_fd(self, op: str) -> int:
+        fd = self._fd
+        if fd is None:
+            raise DistStoreError(f"FileStore {self._path!r} is closed", op=op)
+        if self._forked:
+            # A descriptor shared with the parent would share its flock too.
+            try:
+                own = os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as e:
+                raise DistStoreError(
+                    f"FileStore {self._path!r} cannot be reopened after fork: {e.strerror}", op=op
+                ) from e
+            if not self._is_current(fd):
+                os.close(own)
+                raise DistStoreError(f"FileStore {self._path!r} was removed after fork", op=op)
+            os.close(fd)
+            self._fd = fd = own
+            self._forked = False
+        return fd
+
+    @contextmanager
+    def _locked(self, op: str, exclusive: bool = False) -> Iterator[int]:
+        """Hold both locks with ``_data`` up to date; yields the descriptor."""
+        with self._lock:
+            fd = self._usable_fd(op)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                try:
+                    self._sync(fd, exclusive)
+                    yield fd
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError as e:
+                raise DistStoreError(
+                    f"FileStore {self._path!r}: {op} failed: {e.strerror or e}", op=op
+                ) from e
+
+    def _sync(self, fd: int, exclusive: bool) -> None:
+        """Apply records written since the last visit (caller holds the flock)."""
+        size = os.fstat(fd).st_size
+        if self._offset == 0:
+            head = _pread(fd, min(size, len(MAGIC)), 0)
+            if head != MAGIC[: len(head)]:
+                raise DistStoreError(f"FileStore file {self._path!r} is not a distcomm FileStore")
+            if len(head) < len(MAGIC):
+                if not exclusive:
+                    return  # empty (or a torn header): no keys yet
+                os.ftruncate(fd, 0)
+                self._commit(fd, MAGIC, apply=False)
+                return
+            self._offset = len(MAGIC)
+        if size < self._offset:
+            raise DistStoreError(
+                f"FileStore file {self._path!r} shrank to {size} bytes behind this store's "
+                f"back (it had read {self._offset})"
+            )
+        if size > self._offset:
+            buf = _pread(fd, size - self._offset, self._offset)
+            try:
+                self._offset += _replay(memoryview(buf), self._data)
+            except _Corrupt as e:
+                self._offset += e.pos
+                raise DistStoreError(
+                    f"FileStore file {self._path!r} is corrupt at byte {self._offset}: {e.reason}"
+                ) from None
+            if exclusive and self._offset < size:
+                os.ftruncate(fd, self._offset)  # a torn record from a killed writer
+
+    def _commit(self, fd: int, payload: bytes, apply: bool = True) -> None:
+        """Append ``payload`` (caller holds LOCK_EX and has synced) and apply it."""
+        start = pos = self._offset
+        view = memoryview(payload)
+        try:
+            while view:
+                written = os.pwrite(fd, view, pos)
+                view = view[written:]
+                pos += written
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+        if apply:
+            _replay(memoryview(payload), self._data)
+        self._offset = pos
+
+    def _await(self, op: str, keys: list[str], timeout: float) -> list[bytes]:
+        """Poll until every key is set; return their values."""
+        deadline = Deadline(timeout)
+        pause = _POLL_FIRST
+        while True:
+            with self._locked(op):
+                data = self._data
+                missing = [k for k in keys if k not in data]
+                if not missing:
+                    return [data[k] for k in keys]
+            left = deadline.remaining()
+            if left <= 0:
+                raise DistStoreTimeoutError(
+                    timeout_message(op, keys, missing, timeout),
+                    key=missing[0],
+                    op=op,
+                    timeout=timeout,
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX)
+
+    # -- the Store operations ----------------------------------------------
+    def _set(self, key: str, value: bytes) -> None:
+        with self._locked("set", exclusive=True) as fd:
+            self._commit(fd, _record(SET, key, value))
+
+    def _get(self, key: str, timeout: float) -> bytes:
+        return self._await("get", [key], timeout)[0]
+
+    def _add(self, key: str, amount: int) -> int:
+        with self._locked("add", exclusive=True) as fd:
+            value, total = apply_add(key, self._data.get(key), amount)
+            self._commit(fd, _record(SET, key, value))
+            return total
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._locked("compare_set", exclusive=True) as fd:
+            new, result = apply_compare_set(self._data.get(key), expected, desired)
+            if new is not None:
+                self._commit(fd, _record(SET, key, new))
+            return result
+
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        self._await("wait", keys, timeout)
+
+    def _check(self, keys: list[str]) -> bool:
+        with self._locked("check"):
+            return all(k in self._data for k in keys)
+
+    def _num_keys(self) -> int:
+        with self._locked("num_keys"):
+            return sum(1 for k in self._data if visible(k))
+
+    def _delete_key(self, key: str) -> bool:
+        with self._locked("delete_key", exclusive=True) as fd:
+            if key not in self._data:
+                return False
+            self._commit(fd, _record(DELETE, key))
+            return True
+
+    def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        return self._await("multi_get", keys, timeout)
+
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        records = b"".join(_record(SET, k, v) for k, v in zip(keys, values, strict=True))
+        payload = records if len(keys) == 1 else HEADER.pack(BATCH, 0, len(records)) + records
+        with self._locked("multi_set", exclusive=True) as fd:
+            self._commit(fd, payload)
+
+    def _append(self, key: str, value: bytes) -> None:
+        with self._locked("append", exclusive=True) as fd:
+            self._commit(fd, _record(APPEND, key, value))

@@ -1,0 +1,192 @@
+"""Rendezvous: turn an ``init_method`` URL into ``(store, rank, world_size)``.
+
+Schemes:
+
+* ``env://`` reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and
+  ``WORLD_SIZE`` from the environment (``?rank=&world_size=`` in the URL,
+  or the ``rank``/``world_size`` arguments, take precedence).  Rank 0 hosts
+  the TCPStore, unless ``DISTCOMM_USE_AGENT_STORE`` (or torchrun's
+  ``TORCHELASTIC_USE_AGENT_STORE``) says a launcher already hosts it.
+* ``tcp://host:port?rank=R&world_size=N``: rank 0 hosts a TCPStore there.
+* ``file:///path?rank=R&world_size=N``: a FileStore at ``/path``.
+
+More schemes are added with :func:`register_rendezvous_handler`.  A handler
+is called as ``handler(url, timeout=..., **kwargs)`` and returns an iterator
+of ``(store, rank, world_size)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
+
+from ..deadline import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from ..errors import DistRendezvousError, DistTypeError
+from .base import Store
+from .file import FileStore
+from .tcp_client import TCPStore
+
+__all__ = ["rendezvous", "register_rendezvous_handler", "RendezvousResult"]
+
+RendezvousResult = tuple[Store, int, int]
+Handler = Callable[..., Iterator[RendezvousResult]]
+
+_handlers: dict[str, Handler] = {}
+
+
+def register_rendezvous_handler(scheme: str, handler: Handler) -> None:
+    """Make ``init_method="scheme://..."`` call ``handler(url, **kwargs)``."""
+    if not isinstance(scheme, str) or not scheme.isidentifier():
+        raise DistTypeError(f"rendezvous scheme must be a word like 'etcd', got {scheme!r}")
+    if scheme in _handlers:
+        raise DistRendezvousError(f"a rendezvous handler for {scheme}:// is already registered")
+    _handlers[scheme] = handler
+
+
+def rendezvous(
+    url: str, rank: int = -1, world_size: int = -1, timeout: Timeout = DEFAULT_STORE_TIMEOUT,
+    **kwargs: object,
+) -> Iterator[RendezvousResult]:
+    """Return an iterator yielding ``(store, rank, world_size)`` for ``url``.
+
+    Explicit ``rank`` / ``world_size`` (>= 0 / >= 1) are added to the URL's
+    query; giving them both ways with different values is an error.
+    """
+    if not isinstance(url, str):
+        raise DistTypeError(f"init_method must be a URL string, got {type(url).__name__}")
+    parsed = urlparse(url)
+    if not parsed.scheme:
+        raise DistRendezvousError(
+            f"init_method {url!r} has no scheme; expected env://, tcp://host:port or file:///path"
+        )
+    handler = _handlers.get(parsed.scheme)
+    if handler is None:
+        known = ", ".join(f"{s}://" for s in sorted(_handlers))
+        raise DistRendezvousError(
+            f"no rendezvous handler for {parsed.scheme}:// (known: {known}); "
+            "add one with register_rendezvous_handler"
+        )
+    query = dict(parse_qsl(parsed.query))
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is None or value == -1:
+            continue
+        if name in query and query[name] != str(value):
+            raise DistRendezvousError(
+                f"{name} given twice with different values: {value} as an argument and "
+                f"{query[name]} in init_method {url!r}",
+                variable=name,
+            )
+        query[name] = str(value)
+    url = urlunparse(parsed._replace(query=urlencode(query)))
+    to_seconds(timeout)
+    return handler(url, timeout=timeout, **kwargs)
+
+
+# -- parsing helpers --------------------------------------------------------
+def _int(value: str | None, variable: str, where: str, expected: str, low: int = 0) -> int:
+    if value is None or value == "":
+        raise DistRendezvousError(f"{variable} is not set {where}; expected {expected}", variable=variable)
+    try:
+        n = int(value)
+    except ValueError:
+        raise DistRendezvousError(
+            f"{variable}={value!r} {where} is not an integer; expected {expected}",
+            variable=variable,
+        ) from None
+    if n < low:
+        raise DistRendezvousError(f"{variable}={n} {where}; expected {expected}", variable=variable)
+    return n
+
+
+def _rank_and_size(query: Mapping[str, str], env: Mapping[str, str] | None) -> tuple[int, int]:
+    """Rank and world size from the query, else (if given) the environment."""
+
+    def pick(qname: str, vname: str) -> tuple[str | None, str, str]:
+        if qname in query:
+            return query[qname], qname, "in the init_method URL"
+        if env is not None:
+            return env.get(vname), vname, "in the environment"
+        return None, qname, "in the init_method URL"
+
+    value, name, where = pick("world_size", "WORLD_SIZE")
+    size = _int(value, name, where, "the number of processes, an integer >= 1", low=1)
+    value, name, where = pick("rank", "RANK")
+    rank = _int(value, name, where, f"this process's rank, an integer in [0, {size})")
+    if rank >= size:
+        raise DistRendezvousError(
+            f"{name}={rank} {where} is not below the world size {size}; "
+            f"expected an integer in [0, {size})",
+            variable=name,
+        )
+    return rank, size
+
+
+def _port(value: str | None, variable: str, where: str) -> int:
+    port = _int(value, variable, where, "a TCP port, an integer in [1, 65535]", low=1)
+    if port > 65535:
+        raise DistRendezvousError(
+            f"{variable}={port} {where}; expected a TCP port, an integer in [1, 65535]",
+            variable=variable,
+        )
+    return port
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# -- built-in handlers ------------------------------------------------------
+def _tcp_handler(url: str, timeout: Timeout = DEFAULT_STORE_TIMEOUT, **_: object):
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    if not parsed.hostname:
+        raise DistRendezvousError(
+            f"init_method {url!r} has no host; expected tcp://host:port", variable="host"
+        )
+    try:
+        port_text = str(parsed.port) if parsed.port is not None else None
+    except ValueError:
+        port_text = parsed.netloc.rpartition(":")[2]
+    port = _port(port_text, "port", f"in init_method {url!r}")
+    rank, size = _rank_and_size(query, None)
+    store = TCPStore(parsed.hostname, port, size, rank == 0, timeout, multi_tenant=True)
+    yield store, rank, size
+
+
+def _env_handler(url: str, timeout: Timeout = DEFAULT_STORE_TIMEOUT, **_: object):
+    query = dict(parse_qsl(urlparse(url).query))
+    env = os.environ
+    rank, size = _rank_and_size(query, env)
+    where = "in the environment"
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        raise DistRendezvousError(
+            f"MASTER_ADDR is not set {where}; expected the host name or address of rank 0",
+            variable="MASTER_ADDR",
+        )
+    port = _port(env.get("MASTER_PORT"), "MASTER_PORT", where)
+    agent = _truthy(env.get("DISTCOMM_USE_AGENT_STORE")) or _truthy(
+        env.get("TORCHELASTIC_USE_AGENT_STORE")
+    )
+    is_master = rank == 0 and not agent
+    store = TCPStore(addr, port, size, is_master, timeout, multi_tenant=True)
+    yield store, rank, size
+
+
+def _file_handler(url: str, timeout: Timeout = DEFAULT_STORE_TIMEOUT, **_: object):
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    path = parsed.path
+    if not path:
+        raise DistRendezvousError(
+            f"init_method {url!r} has no path; expected file:///absolute/path", variable="path"
+        )
+    rank, size = _rank_and_size(query, None)
+    store = FileStore(path, size, timeout=timeout)
+    yield store, rank, size
+
+
+register_rendezvous_handler("tcp", _tcp_handler)
+register_rendezvous_handler("env", _env_handler)
+register_rendezvous_handler("file", _file_handler)

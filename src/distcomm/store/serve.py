@@ -1,0 +1,49 @@
+"""``distcomm store``: serve a TCPStore from its own process until signalled."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from ..errors import DistError
+from .tcp_server import StoreServer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    parser.add_argument("--port", type=int, default=29500, help="port (0 picks a free one)")
+    parser.add_argument(
+        "--log-level", default="WARNING", help="logging level of the server (default: WARNING)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    if not 0 <= args.port <= 65535:
+        print(f"distcomm store: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        server = StoreServer(args.host, args.port)
+    except (OSError, DistError) as e:
+        print(f"distcomm store: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(f"distcomm store serving on {args.host}:{server.port}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0

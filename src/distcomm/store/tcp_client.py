@@ -1,0 +1,436 @@
+"""``TCPStore``: a store served over TCP by one process of the job.
+
+The master (``is_master=True``) runs a :class:`~.tcp_server.StoreServer` on a
+background thread of its own process and talks to it as a client like
+everyone else.  Clients connect with capped exponential backoff and jitter
+until their deadline, then speak :mod:`.tcp_protocol`.  One request is in
+flight per store object (a lock serialises threads).  A blocking request
+carries its timeout to the server, which answers TIMEOUT itself, so a timed
+out ``get`` leaves the connection usable.  If the server does not answer at
+all within the timeout plus a margin, or the connection breaks, the
+connection is closed and the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import struct
+import threading
+import time
+
+from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
+from ..errors import (
+    DistConnectTimeoutError,
+    DistInputError,
+    DistNetworkError,
+    DistProtocolError,
+    DistStoreError,
+    DistStoreTimeoutError,
+    DistStoreValueError,
+    DistTypeError,
+)
+from . import tcp_protocol as p
+from .base import INTERNAL_PREFIX, Store, timeout_message
+from .tcp_server import StoreServer
+
+__all__ = ["TCPStore"]
+
+log = logging.getLogger("distcomm.store")
+
+_WORKERS_KEY = INTERNAL_PREFIX + "tcpstore/workers"
+_WORKERS_DONE_KEY = INTERNAL_PREFIX + "tcpstore/all_workers_joined"
+#: Backoff between connection attempts: starts here, doubles, capped.
+CONNECT_BACKOFF_START, CONNECT_BACKOFF_MAX = 0.01, 1.0
+
+# multi_tenant servers, by port: [server, users]
+_tenants: dict[int, list] = {}
+_tenants_lock = threading.Lock()
+
+
+class TCPStore(Store):
+    """A store whose data lives in the master process, reached over TCP.
+
+    Arguments are torch's, in torch's order.  ``world_size`` counts every
+    user of the store, master included; with ``wait_for_workers`` the master's
+    constructor returns once all of them have connected.  ``port=0`` on the
+    master picks a free port; read it back from :attr:`port`.
+    ``use_libuv`` is accepted for compatibility and ignored.
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: Timeout = DEFAULT_STORE_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
+    ) -> None:
+        super().__init__(timeout)
+        _check_args(host_name, port, world_size, is_master)
+        self._host = host_name
+        self._port = port
+        self._world_size = world_size
+        self._is_master = is_master
+        self._server: StoreServer | None = None
+        self._tenant_port: int | None = None
+        self._sock: socket.socket | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            if is_master:
+                self._start_server(multi_tenant, master_listen_fd)
+            self._connect(Deadline(self._timeout_s))
+            if world_size is not None:
+                self._join_workers(wait_for_workers and is_master)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- properties --------------------------------------------------------
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
+        return False
+
+    @property
+    def world_size(self) -> int | None:
+        return self._world_size
+
+    # -- setup -------------------------------------------------------------
+    def _start_server(self, multi_tenant: bool, listen_fd: int | None) -> None:
+        bind_host = _bind_host(self._host)
+        with _tenants_lock:
+            if multi_tenant and self._port in _tenants:
+                entry = _tenants[self._port]
+                entry[1] += 1
+                self._server = entry[0]
+                self._tenant_port = self._port
+                return
+            try:
+                server = StoreServer(bind_host, self._port, listen_fd=listen_fd)
+            except OSError as e:
+                raise DistNetworkError(
+                    f"cannot start the store server on {self._host}:{self._port}: {e.strerror or e}",
+                    addr=f"{self._host}:{self._port}",
+                ) from e
+            self._server = server
+            self._port = server.port
+            if multi_tenant:
+                _tenants[server.port] = [server, 1]
+                self._tenant_port = server.port
+
+    def _join_workers(self, wait: bool) -> None:
+        assert self._world_size is not None
+        n = self.add(_WORKERS_KEY, 1)
+        if n == self._world_size:
+            self.set(_WORKERS_DONE_KEY, b"1")
+        if wait:
+            try:
+                self._wait([_WORKERS_DONE_KEY], self._timeout_s)
+            except DistStoreTimeoutError:
+                joined = int(self._get(_WORKERS_KEY, self._timeout_s))
+                raise DistStoreTimeoutError(
+                    f"TCPStore master on port {self._port} timed out after {self._timeout_s:g} s "
+                    f"waiting for workers: {joined} of world_size={self._world_size} joined",
+                    op="wait_for_workers",
+                    timeout=self._timeout_s,
+                ) from None
+
+    def _connect(self, deadline: Deadline) -> None:
+        """Connect and handshake, retrying with backoff until ``deadline``."""
+        addr = f"{self._host}:{self._port}"
+        delay = CONNECT_BACKOFF_START
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                sock = socket.create_connection(
+                    (self._host, self._port), timeout=max(0.05, min(deadline.remaining(), 10.0))
+                )
+            except OSError as e:
+                left = deadline.remaining()
+                if left <= 0:
+                    raise DistConnectTimeoutError(
+                        f"could not connect to the store at {addr} within {deadline.seconds:g} s "
+                        f"({attempts} attempts; last error: {e})",
+                        addr=addr,
+                        timeout=deadline.seconds,
+                    ) from e
+                time.sleep(min(left, delay * (0.5 + random.random())))
+                delay = min(delay * 2, CONNECT_BACKOFF_MAX)
+                continue
+            try:
+                self._handshake(sock, addr, deadline)
+            except BaseException:
+                sock.close()
+                raise
+            sock.settimeout(None)  # blocking; deadlines come from SO_RCVTIMEO
+            self._sock = sock
+            self._budget = -1.0
+            self._rbuf = bytearray()
+            return
+
+    def _handshake(self, sock: socket.socket, addr: str, deadline: Deadline) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(max(deadline.remaining(), 5.0))
+        try:
+            sock.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, 0))
+            reply = _recv_exact(sock, p.HANDSHAKE_REPLY.size)
+        except TimeoutError:
+            raise DistConnectTimeoutError(
+                f"the store at {addr} accepted the connection but did not answer the handshake",
+                addr=addr,
+                timeout=deadline.seconds,
+            ) from None
+        except OSError as e:
+            raise DistNetworkError(
+                f"connection to the store at {addr} failed during the handshake: {e}", addr=addr
+            ) from e
+        magic, version, status, _ = p.HANDSHAKE_REPLY.unpack(reply)
+        if magic != p.MAGIC:
+            raise DistProtocolError(
+                f"{addr} is not a distcomm store (it answered {reply!r})", addr=addr
+            )
+        if status != p.HS_OK:
+            raise DistProtocolError(
+                f"the store at {addr} speaks protocol v{version}; this client speaks v{p.VERSION}",
+                addr=addr,
+            )
+
+    # -- requests ----------------------------------------------------------
+    def _call(
+        self, op: int, *fields: bytes, wait: float | None = None, key=None, reply: bool = True
+    ) -> list[bytes]:
+        """Send one request, return the OK fields; raise on anything else.
+
+        With ``reply=False`` (SET) nothing is read back.
+        """
+        request = p.frame(op, *fields)
+        if len(request) - 4 > p.MAX_FRAME:
+            raise DistInputError(
+                f"store {p.OP_NAMES[op]} request is {len(request)} bytes; at most {p.MAX_FRAME}",
+                key=key,
+            )
+        # How long to wait for the answer: the server answers blocking
+        # requests itself at their deadline; the margin covers the network.
+        budget = (wait if wait is not None else self._timeout_s)
+        budget = budget + max(2.0, 0.1 * budget)
+        with self._lock:
+            if self._closed:
+                raise DistStoreError(f"TCPStore {self._host}:{self._port} is closed", op=p.OP_NAMES[op])
+            if self._sock is None or self._pid != os.getpid():
+                # First use after a fork, or after a broken connection.
+                self._sock = None
+                self._connect(Deadline(self._timeout_s))
+            sock = self._sock
+            assert sock is not None
+            try:
+                if budget != self._budget:
+                    _set_io_timeout(sock, budget)
+                    self._budget = budget
+                sock.sendall(request)
+                if not reply:
+                    return []
+                status, out = self._read_frame(sock)
+            except (TimeoutError, BlockingIOError):
+                self._reset()
+                raise DistStoreTimeoutError(
+                    f"store {p.OP_NAMES[op]} got no answer from {self._host}:{self._port} "
+                    f"within {budget:g} s",
+                    op=p.OP_NAMES[op],
+                    key=key,
+                    timeout=budget,
+                ) from None
+            except (OSError, p.BadFrame) as e:
+                self._reset()
+                raise DistNetworkError(
+                    f"store {p.OP_NAMES[op]}: connection to {self._host}:{self._port} broke ({e})",
+                    op=p.OP_NAMES[op],
+                    key=key,
+                    addr=f"{self._host}:{self._port}",
+                ) from e
+        if status == p.OK:
+            return out
+        text = out[0].decode("utf-8", "replace") if out else ""
+        if status == p.VALUE_ERROR:
+            raise DistStoreValueError(text, key=key, op=p.OP_NAMES[op])
+        if status == p.TIMEOUT:
+            raise _TimeoutAnswer([k.decode() for k in p.split_keys(out[0])])
+        raise DistStoreError(f"store {p.OP_NAMES[op]} refused: {text}", key=key, op=p.OP_NAMES[op])
+
+    def _read_frame(self, sock: socket.socket) -> tuple[int, list[bytes]]:
+        buf = self._rbuf
+        while True:
+            if len(buf) >= 4:
+                (n,) = p.U32.unpack_from(buf)
+                if n == 0 or n > p.MAX_FRAME:
+                    raise p.BadFrame(f"bad frame length {n}")
+                if len(buf) >= 4 + n:
+                    body = memoryview(buf)[4 : 4 + n]
+                    try:
+                        status, fields = body[0], p.split_fields(body)
+                    finally:
+                        body.release()
+                    del buf[: 4 + n]
+                    return status, fields
+            need = p.U32.unpack_from(buf)[0] + 4 - len(buf) if len(buf) >= 4 else 0
+            chunk = sock.recv(max(65536, need))
+            if not chunk:
+                raise ConnectionResetError("the store server closed the connection")
+            buf += chunk
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            if self._pid == os.getpid():
+                self._sock.close()
+            self._sock = None
+        self._pid = os.getpid()
+
+    def _blocking(self, op: int, keys: list[str], timeout: float, *fields: bytes) -> list[bytes]:
+        try:
+            return self._call(op, *fields, p.pack_seconds(timeout), wait=timeout, key=keys[0])
+        except _TimeoutAnswer as t:
+            name = p.OP_NAMES[op]
+            raise DistStoreTimeoutError(
+                timeout_message(name, keys, t.missing, timeout),
+                key=t.missing[0] if t.missing else keys[0],
+                op=name,
+                timeout=timeout,
+            ) from None
+
+    # -- Store -------------------------------------------------------------
+    def _set(self, key: str, value: bytes) -> None:
+        self._call(p.SET, key.encode(), value, key=key, reply=False)
+
+    def _get(self, key: str, timeout: float) -> bytes:
+        return self._blocking(p.GET, [key], timeout, key.encode())[0]
+
+    def _add(self, key: str, amount: int) -> int:
+        return p.unpack_int(self._call(p.ADD, key.encode(), p.pack_int(amount), key=key)[0])
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._call(p.CAS, key.encode(), expected, desired, key=key)[0]
+
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        self._blocking(p.WAIT, keys, timeout, _join(keys))
+
+    def _check(self, keys: list[str]) -> bool:
+        return bool(p.unpack_int(self._call(p.CHECK, _join(keys), key=keys[0])[0]))
+
+    def _num_keys(self) -> int:
+        return p.unpack_int(self._call(p.NUM_KEYS)[0])
+
+    def _delete_key(self, key: str) -> bool:
+        return bool(p.unpack_int(self._call(p.DELETE, key.encode(), key=key)[0]))
+
+    def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        return self._blocking(p.MGET, keys, timeout, _join(keys))
+
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._call(p.MSET, _join(keys), *values, key=keys[0])
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._call(p.APPEND, key.encode(), value, key=key)
+
+    def ping(self) -> float:
+        """Round trip to the server; return the seconds it took."""
+        t0 = time.perf_counter()
+        self._call(p.PING)
+        return time.perf_counter() - t0
+
+    # -- teardown ----------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection; the master also stops its server.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._reset()
+            server, self._server = self._server, None
+        if server is None:
+            return
+        if self._tenant_port is not None:
+            with _tenants_lock:
+                entry = _tenants.get(self._tenant_port)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] > 0:
+                        return
+                    del _tenants[self._tenant_port]
+        server.close()
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        role = "master" if self._is_master else "client"
+        return f"TCPStore({self._host}:{self._port}, {role})"
+
+
+class _TimeoutAnswer(Exception):
+    """The server answered TIMEOUT; carries the keys still missing."""
+
+    def __init__(self, missing: list[str]) -> None:
+        self.missing = missing
+
+
+def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Bound blocking send/recv by kernel timeouts (no poll() per call)."""
+    seconds = min(seconds, 10**7)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _join(keys: list[str]) -> bytes:
+    return p.join_keys([k.encode() for k in keys])
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("connection closed during the handshake")
+        buf += chunk
+    return bytes(buf)
+
+
+def _bind_host(host: str) -> str:
+    """Where the master listens: every interface, unless ``host`` is loopback."""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return host
+    return "::" if ":" in host else "0.0.0.0"
+
+
+def _check_args(host_name: object, port: object, world_size: object, is_master: object) -> None:
+    if not isinstance(host_name, str) or not host_name:
+        raise DistTypeError(f"TCPStore host_name must be a non-empty str, got {host_name!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise DistInputError(f"TCPStore port must be an int in [0, 65535], got {port!r}")
+    if port == 0 and not is_master:
+        raise DistInputError("TCPStore port 0 (pick a free port) is only valid for the master")
+    if world_size is not None and (
+        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+    ):
+        raise DistInputError(f"TCPStore world_size must be None or an int >= 1, got {world_size!r}")
+

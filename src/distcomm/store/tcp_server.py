@@ -1,0 +1,600 @@
+"""The ``TCPStore`` server: one thread, one ``selectors`` loop, many clients.
+
+The server keeps the data (``bytes`` keys to ``bytes`` values) and answers the
+requests of :mod:`.tcp_protocol`.  Blocking requests (GET, WAIT, MGET) are
+parked as waiters: a waiter watches the first of its keys still missing and
+moves on when that key is written, so a WAIT on N keys costs O(N) in total.
+Each waiter has a deadline; at the deadline the server answers TIMEOUT.  A
+connection with a parked request is not read further until it is answered,
+so answers leave in request order.
+
+A misbehaving connection (garbage, foreign protocol, oversize frame) is
+logged and closed; nothing else is touched.  Running out of file descriptors
+is logged with the limit and what to do about it, and accepting pauses
+briefly instead of spinning.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import itertools
+import logging
+import os
+import select
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+
+from ..errors import DistStoreValueError
+from ..fdlimit import fd_limits, raise_fd_limit
+from . import tcp_protocol as p
+from .base import INTERNAL_PREFIX, MAX_KEY_BYTES, apply_add, apply_compare_set
+
+__all__ = ["StoreServer"]
+
+log = logging.getLogger("distcomm.store")
+
+#: A connection must complete its handshake within this many seconds.
+HANDSHAKE_TIMEOUT = 60.0
+#: How long accepting pauses after the process ran out of file descriptors.
+EMFILE_PAUSE = 0.1
+_INTERNAL = INTERNAL_PREFIX.encode()
+_RECV_SIZE = 256 * 1024
+
+
+class _Conn:
+    __slots__ = ("sock", "addr", "rbuf", "wbuf", "ready", "waiter", "closed", "writing")
+
+    def __init__(self, sock: socket.socket, addr: str) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()
+        self.ready = False  # handshake done
+        self.waiter: _Waiter | None = None
+        self.closed = False
+        self.writing = False
+
+
+class _Waiter:
+    """A parked GET / WAIT / MGET."""
+
+    __slots__ = ("conn", "op", "keys", "pos", "deadline", "active")
+
+    def __init__(self, conn: _Conn, op: int, keys: list[bytes], deadline: float) -> None:
+        self.conn = conn
+        self.op = op
+        self.keys = keys
+        self.pos = 0
+        self.deadline = deadline
+        self.active = True
+
+
+class StoreServer:
+    """Serve a store on ``host:port`` from a background thread of this process.
+
+    ``port=0`` picks a free port (see :attr:`port`).  ``listen_fd`` adopts an
+    already bound socket instead.  :meth:`close` stops the thread and closes
+    every socket.
+    """
+
+    def __init__(
+        self,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        listen_fd: int | None = None,
+        backlog: int | None = None,
+    ) -> None:
+        raise_fd_limit()
+        if listen_fd is not None:
+            self._listener = socket.socket(fileno=listen_fd)
+        else:
+            self._listener = _bind(host, port)
+        try:
+            self._listener.listen(backlog or _default_backlog())
+            self._listener.setblocking(False)
+            self.port: int = self._listener.getsockname()[1]
+            self.host = host
+            self._data: dict[bytes, bytes] = {}
+            self._visible = 0  # keys num_keys counts
+            self._watch: dict[bytes, list[_Waiter]] = {}
+            self._timers: list = []  # heap of (when, seq, kind, obj)
+            self._timers_compact_at = 65536
+            self._seq = itertools.count()
+            self._resume: deque[_Conn] = deque()
+            self._conns: set[_Conn] = set()
+            self._accept_paused = False
+            self._emfile_logged = False
+            self._stop = False
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._sel = _Poller()
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+            self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        except BaseException:
+            self._listener.close()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name=f"distcomm-store-server:{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    # -- lifecycle -------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving, close all connections and join the thread.  Idempotent."""
+        if self._stop:
+            return
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._loop_once()
+        except Exception:  # pragma: no cover - a bug; keep it visible
+            log.exception("store server on port %d crashed", self.port)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        for conn in list(self._conns):
+            self._drop(conn)
+        self._sel.close()
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _loop_once(self) -> None:
+        timeout = None
+        if self._timers:
+            timeout = max(0.0, self._timers[0][0] - time.monotonic())
+        if self._resume:
+            timeout = 0.0
+        for obj, mask in self._sel.select(timeout):
+            if obj is None:
+                self._accept()
+            elif obj == "wake":
+                try:
+                    self._wake_r.recv(64)
+                except OSError:
+                    pass
+            else:
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(obj)
+                if mask & selectors.EVENT_READ and not obj.closed:
+                    self._read(obj)
+        self._fire_timers()
+        while self._resume:
+            conn = self._resume.popleft()
+            if not conn.closed and conn.waiter is None:
+                self._process(conn)
+
+    # -- connections -----------------------------------------------------
+    def _accept(self) -> None:
+        for _ in range(256):
+            try:
+                sock, addr = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause_accept(e)
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    continue
+                raise
+            self._emfile_logged = False
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, _fmt_addr(addr))
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._timer(time.monotonic() + HANDSHAKE_TIMEOUT, "handshake", conn)
+
+    def _pause_accept(self, e: OSError) -> None:
+        if not self._emfile_logged:
+            soft, hard = fd_limits()
+            log.error(
+                "store server on port %d cannot accept more connections (%s) with %d open; "
+                "this process may open %s files (hard limit %s): raise `ulimit -n`",
+                self.port, e.strerror, len(self._conns), soft, hard,
+            )
+            self._emfile_logged = True
+        self._sel.unregister(self._listener)
+        self._accept_paused = True
+        self._timer(time.monotonic() + EMFILE_PAUSE, "accept", None)
+
+    def _drop(self, conn: _Conn, reason: str | None = None) -> None:
+        if conn.closed:
+            return
+        if reason:
+            log.warning("store server on port %d dropped %s: %s", self.port, conn.addr, reason)
+        conn.closed = True
+        w = conn.waiter
+        if w is not None:
+            self._unpark(w)
+        self._conns.discard(conn)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        if not data:
+            self._drop(conn)
+            return
+        if conn.rbuf:
+            conn.rbuf += data
+        else:
+            conn.rbuf = bytearray(data)
+        if conn.waiter is None:
+            self._process(conn)
+
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        if conn.closed:
+            return
+        if conn.wbuf:
+            conn.wbuf += data
+            return
+        try:
+            n = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._drop(conn)
+            return
+        if n < len(data):
+            conn.wbuf += data[n:]
+            self._want_write(conn, True)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            n = conn.sock.send(conn.wbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        del conn.wbuf[:n]
+        if not conn.wbuf:
+            self._want_write(conn, False)
+
+    def _want_write(self, conn: _Conn, on: bool) -> None:
+        if conn.writing != on and not conn.closed:
+            conn.writing = on
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+            self._sel.modify(conn.sock, events, conn)
+
+    # -- framing ---------------------------------------------------------
+    def _process(self, conn: _Conn) -> None:
+        buf = conn.rbuf
+        pos = 0
+        if not conn.ready:
+            if len(buf) < p.HANDSHAKE.size:
+                if not p.MAGIC.startswith(bytes(buf[:4])):
+                    self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
+                return
+            magic, version, _ = p.HANDSHAKE.unpack_from(buf)
+            if magic != p.MAGIC:
+                self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
+                return
+            if version != p.VERSION:
+                self._send(conn, p.HANDSHAKE_REPLY.pack(p.MAGIC, p.VERSION, p.HS_UNSUPPORTED, 0))
+                self._drop(
+                    conn, f"client speaks store protocol v{version}, this server v{p.VERSION}"
+                )
+                return
+            self._send(conn, p.HANDSHAKE_REPLY.pack(p.MAGIC, p.VERSION, p.HS_OK, 0))
+            conn.ready = True
+            pos = p.HANDSHAKE.size
+        end = len(buf)
+        while conn.waiter is None and not conn.closed and end - pos >= 4:
+            (n,) = p.U32.unpack_from(buf, pos)
+            if n == 0 or n > p.MAX_FRAME:
+                self._drop(conn, f"bad frame length {n}")
+                return
+            if end - pos - 4 < n:
+                break
+            body = bytes(buf[pos + 4 : pos + 4 + n])
+            pos += 4 + n
+            try:
+                self._handle(conn, body)
+            except p.BadFrame as e:
+                self._drop(conn, f"malformed request ({e})")
+                return
+        if pos:
+            del buf[:pos]
+
+    # -- requests --------------------------------------------------------
+    def _handle(self, conn: _Conn, body: bytes) -> None:
+        op = body[0]
+        f = p.split_fields(body)
+        data = self._data
+        if op == p.SET:  # no answer: see the protocol notes
+            _arity(f, 2)
+            self._put(_key(f[0]), f[1])
+        elif op == p.GET:
+            _arity(f, 2)
+            self._park(conn, op, [_key(f[0])], p.unpack_seconds(f[1]))
+        elif op == p.ADD:
+            _arity(f, 2)
+            key = _key(f[0])
+            try:
+                value, total = apply_add(key.decode("utf-8", "replace"), data.get(key), p.unpack_int(f[1]))
+            except DistStoreValueError as e:
+                self._send(conn, p.frame(p.VALUE_ERROR, str(e).encode()))
+                return
+            self._put(key, value)
+            self._send(conn, p.frame(p.OK, p.pack_int(total)))
+        elif op == p.CAS:
+            _arity(f, 3)
+            key = _key(f[0])
+            new, result = apply_compare_set(data.get(key), f[1], f[2])
+            if new is not None:
+                self._put(key, new)
+            self._send(conn, p.frame(p.OK, result))
+        elif op in (p.WAIT, p.MGET):
+            _arity(f, 2)
+            self._park(conn, op, _keys(f[0]), p.unpack_seconds(f[1]))
+        elif op == p.CHECK:
+            _arity(f, 1)
+            ok = all(k in data for k in _keys(f[0]))
+            self._send(conn, p.frame(p.OK, p.pack_int(int(ok))))
+        elif op == p.NUM_KEYS:
+            _arity(f, 0)
+            self._send(conn, p.frame(p.OK, p.pack_int(self._visible)))
+        elif op == p.DELETE:
+            _arity(f, 1)
+            key = _key(f[0])
+            existed = data.pop(key, None) is not None
+            if existed and not key.startswith(_INTERNAL):
+                self._visible -= 1
+            self._send(conn, p.frame(p.OK, p.pack_int(int(existed))))
+        elif op == p.MSET:
+            keys = _keys(f[0]) if f else []
+            if len(f) != len(keys) + 1:
+                raise p.BadFrame("multi_set with a different number of keys and values")
+            for k, v in zip(keys, f[1:], strict=True):
+                self._put(k, v)
+            self._send(conn, _OK)
+        elif op == p.APPEND:
+            _arity(f, 2)
+            key = _key(f[0])
+            self._put(key, data.get(key, b"") + f[1])
+            self._send(conn, _OK)
+        elif op == p.PING:
+            self._send(conn, _OK)
+        else:
+            raise p.BadFrame(f"unknown opcode {op}")
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        data = self._data
+        if key not in data and not key.startswith(_INTERNAL):
+            self._visible += 1
+        data[key] = value
+        waiters = self._watch.pop(key, None)
+        if waiters:
+            for w in waiters:
+                if w.active:
+                    self._advance(w)
+
+    # -- waiters -----------------------------------------------------------
+    def _park(self, conn: _Conn, op: int, keys: list[bytes], seconds: float) -> None:
+        w = _Waiter(conn, op, keys, time.monotonic() + seconds)
+        conn.waiter = w
+        if not self._advance(w, resume=False):
+            self._timer(w.deadline, "waiter", w)
+
+    def _advance(self, w: _Waiter, resume: bool = True) -> bool:
+        """Move ``w`` past keys that exist; answer it if none is missing."""
+        data, keys = self._data, w.keys
+        i, n = w.pos, len(keys)
+        while i < n and keys[i] in data:
+            i += 1
+        if i < n:
+            w.pos = i
+            self._watch.setdefault(keys[i], []).append(w)
+            return False
+        if w.op == p.MGET and not all(k in data for k in keys):
+            # A key seen earlier was deleted since: start over.
+            w.pos = 0
+            return self._advance(w, resume)
+        w.active = False
+        conn = w.conn
+        conn.waiter = None
+        if w.op == p.WAIT:
+            self._send(conn, _OK)
+        else:
+            self._send(conn, p.frame(p.OK, *(data[k] for k in keys)))
+        if resume and conn.rbuf:
+            self._resume.append(conn)
+        return True
+
+    def _unpark(self, w: _Waiter) -> None:
+        w.active = False
+        w.conn.waiter = None
+        if w.pos < len(w.keys):
+            lst = self._watch.get(w.keys[w.pos])
+            if lst is not None:
+                try:
+                    lst.remove(w)
+                except ValueError:
+                    pass
+                if not lst:
+                    del self._watch[w.keys[w.pos]]
+
+    def _timer(self, when: float, kind: str, obj: object) -> None:
+        timers = self._timers
+        heapq.heappush(timers, (when, next(self._seq), kind, obj))
+        if len(timers) > self._timers_compact_at:
+            # Drop timers of waiters already answered and connections gone.
+            timers[:] = [t for t in timers if _timer_live(t)]
+            heapq.heapify(timers)
+            self._timers_compact_at = max(65536, 2 * len(timers))
+
+    def _fire_timers(self) -> None:
+        timers, now = self._timers, time.monotonic()
+        while timers and timers[0][0] <= now:
+            _, _, kind, obj = heapq.heappop(timers)
+            if kind == "waiter":
+                if obj.active:
+                    self._expire(obj)
+            elif kind == "handshake":
+                if not obj.closed and not obj.ready:
+                    self._drop(obj, f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
+            elif kind == "accept" and self._accept_paused and not self._stop:
+                self._accept_paused = False
+                self._sel.register(self._listener, selectors.EVENT_READ, None)
+
+    def _expire(self, w: _Waiter) -> None:
+        conn = w.conn
+        self._unpark(w)
+        missing = [k for k in w.keys if k not in self._data]
+        if not missing:  # raced with a write in this very loop turn
+            missing = w.keys[:1]
+        self._send(conn, p.frame(p.TIMEOUT, p.join_keys(missing)))
+        if conn.rbuf:
+            self._resume.append(conn)
+
+
+_OK = p.frame(p.OK)
+
+
+def _timer_live(entry: tuple) -> bool:
+    kind, obj = entry[2], entry[3]
+    if kind == "waiter":
+        return obj.active
+    if kind == "handshake":
+        return not obj.closed and not obj.ready
+    return True
+
+
+def _arity(fields: list[bytes], n: int) -> None:
+    if len(fields) != n:
+        raise p.BadFrame(f"expected {n} fields, got {len(fields)}")
+
+
+def _key(k: bytes) -> bytes:
+    if not k or len(k) > MAX_KEY_BYTES or b"\0" in k:
+        raise p.BadFrame("invalid key")
+    return k
+
+
+def _keys(field: bytes) -> list[bytes]:
+    keys = p.split_keys(field)
+    if any(len(k) > MAX_KEY_BYTES for k in keys):
+        raise p.BadFrame("key too long")
+    return keys
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind a listening socket on ``host:port`` (IPv4 or IPv6)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    last: OSError | None = None
+    for family, type_, proto, _, addr in infos:
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            return sock
+        except OSError as e:
+            sock.close()
+            last = e
+    assert last is not None
+    raise last
+
+
+def _default_backlog() -> int:
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(4096, int(f.read()))
+    except (OSError, ValueError):
+        return 4096
+
+
+class _Poller:
+    """The few ``selectors`` calls the server needs, on raw epoll when there is one."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._fallback = None if self._epoll else selectors.DefaultSelector()
+        self._objs: dict[int, object] = {}
+
+    @staticmethod
+    def _flags(events: int) -> int:
+        return (select.EPOLLIN if events & selectors.EVENT_READ else 0) | (
+            select.EPOLLOUT if events & selectors.EVENT_WRITE else 0
+        )
+
+    def register(self, sock: socket.socket, events: int, obj: object) -> None:
+        if self._fallback is not None:
+            self._fallback.register(sock, events, obj)
+            return
+        fd = sock.fileno()
+        self._epoll.register(fd, self._flags(events))
+        self._objs[fd] = obj
+
+    def modify(self, sock: socket.socket, events: int, obj: object) -> None:
+        if self._fallback is not None:
+            self._fallback.modify(sock, events, obj)
+            return
+        self._epoll.modify(sock.fileno(), self._flags(events))
+
+    def unregister(self, sock: socket.socket) -> None:
+        if self._fallback is not None:
+            self._fallback.unregister(sock)
+            return
+        fd = sock.fileno()
+        if self._objs.pop(fd, _MISSING) is _MISSING:
+            raise KeyError(fd)
+        self._epoll.unregister(fd)
+
+    def select(self, timeout: float | None) -> list[tuple[object, int]]:
+        if self._fallback is not None:
+            return [(k.data, m) for k, m in self._fallback.select(timeout)]
+        objs = self._objs
+        out = []
+        for fd, ev in self._epoll.poll(-1 if timeout is None else timeout):
+            mask = (selectors.EVENT_READ if ev & (select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP) else 0) | (
+                selectors.EVENT_WRITE if ev & select.EPOLLOUT else 0
+            )
+            obj = objs.get(fd, _MISSING)
+            if obj is not _MISSING:
+                out.append((obj, mask))
+        return out
+
+    def close(self) -> None:
+        if self._fallback is not None:
+            self._fallback.close()
+        else:
+            self._epoll.close()
+
+
+_MISSING = object()
+
+
+def _fmt_addr(addr: object) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr) or f"fd{os.getpid()}"

@@ -1,0 +1,29 @@
+"""Test-wide fixtures: the fork server is started once, and no test may leak."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from distcomm.testing import check_no_leaks, snapshot, start_forkserver
+
+pytest_plugins = ["pytester"]
+
+#: Seconds a test's threads, processes and fds get to go away after it ends.
+LEAK_GRACE = float(os.environ.get("DISTCOMM_TEST_LEAK_GRACE", "2.0"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver():
+    """Start run_ranks' fork server (and the resource tracker) before any leak snapshot."""
+    start_forkserver()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(_forkserver):
+    """Fail the test if it leaves threads, processes, sockets, pipes or shm behind."""
+    before = snapshot()
+    yield
+    check_no_leaks(before, grace=LEAK_GRACE)

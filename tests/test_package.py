@@ -1,0 +1,65 @@
+"""The package surface: public names, the command line, README and CI agreeing."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import distcomm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_all_lists_exactly_the_public_names():
+    public = {n for n in dir(distcomm) if not n.startswith("_")} - {
+        # submodules are reachable as attributes once imported; they are not API names
+        "errors", "deadline", "store", "fdlimit", "testing", "info", "cli",
+        "bench",
+    }
+    assert set(distcomm.__all__) - {"__version__"} == public
+    for name in distcomm.__all__:
+        assert hasattr(distcomm, name)
+
+
+def test_stores_are_importable_where_torch_users_look():
+    for name in ("TCPStore", "FileStore", "HashStore", "PrefixStore", "Store"):
+        assert getattr(distcomm, name).__module__.startswith("distcomm.store")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "distcomm.cli", *args], capture_output=True, text=True, timeout=30
+    )
+
+
+def test_info_prints_the_facts():
+    out = _cli("info", "--json")
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout)
+    assert facts["distcomm"] == distcomm.__version__
+    assert facts["numpy"] and facts["cpus"] >= 1
+
+
+def test_unknown_command_is_a_usage_error():
+    out = _cli("frobnicate")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_store_command_rejects_a_bad_port():
+    out = _cli("store", "--port", "70000")
+    assert out.returncode == 2 and "--port must be in [0, 65535]" in out.stderr
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)\n```", readme, re.S)
+    assert len(blocks) >= 2, "README must show the run command and the test command"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert blocks[1].strip() in ci

@@ -1,0 +1,372 @@
+"""TCPStore behaviour that only a networked store has: connections, protocol, scale."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from distcomm.errors import (
+    DistConnectTimeoutError,
+    DistInputError,
+    DistNetworkError,
+    DistProtocolError,
+    DistStoreTimeoutError,
+)
+from distcomm.store import tcp_protocol as p
+from distcomm.store.tcp_client import TCPStore
+from distcomm.store.tcp_server import StoreServer
+from distcomm.testing import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def master():
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=10)
+    yield store
+    store.close()
+
+
+def _raw(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def _handshake(sock: socket.socket, version: int = p.VERSION) -> bytes:
+    sock.sendall(p.HANDSHAKE.pack(p.MAGIC, version, 0))
+    return _recv_n(sock, p.HANDSHAKE_REPLY.size)
+
+
+def _recv_n(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Read (and discard) until the server closes; False if it never does."""
+    sock.settimeout(5)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 64, b"DCKV\x00\x01\x00\x00\xff\xff\xff\xff"],
+    ids=["http", "zeros", "oversize-frame"],
+)
+def test_garbage_connection_is_dropped_and_others_keep_their_data(master, garbage):
+    other = TCPStore("127.0.0.1", master.port, timeout=5)
+    other.set("kept", b"value")
+    bad = _raw(master.port)
+    bad.sendall(garbage)
+    assert _closed_by_peer(bad)
+    bad.close()
+    assert other.get("kept") == b"value"
+    other.set("after", b"1")
+    assert master.get("after") == b"1"
+    other.close()
+
+
+def test_malformed_request_drops_only_that_connection(master):
+    bad = _raw(master.port)
+    _handshake(bad)
+    bad.sendall(p.frame(p.GET, b"key"))  # GET without its timeout field
+    assert _closed_by_peer(bad)
+    bad.close()
+    master.set("still", b"ok")
+    assert master.get("still") == b"ok"
+
+
+def test_newer_protocol_client_is_refused_with_the_servers_version(master):
+    sock = _raw(master.port)
+    magic, version, status, _ = p.HANDSHAKE_REPLY.unpack(_handshake(sock, p.VERSION + 1))
+    assert (magic, version, status) == (p.MAGIC, p.VERSION, p.HS_UNSUPPORTED)
+    assert _closed_by_peer(sock)
+    sock.close()
+    assert master.num_keys() == 0
+
+
+def test_client_refuses_a_server_that_is_not_a_store():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def fake_server():
+        conn, _ = listener.accept()
+        conn.recv(64)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        time.sleep(0.2)
+        conn.close()
+
+    t = threading.Thread(target=fake_server)
+    t.start()
+    try:
+        with pytest.raises(DistProtocolError, match="not a distcomm store"):
+            TCPStore("127.0.0.1", port, timeout=5)
+    finally:
+        t.join()
+        listener.close()
+
+
+def test_timed_out_get_leaves_connection_and_server_healthy(master):
+    client = TCPStore("127.0.0.1", master.port, timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(DistStoreTimeoutError) as info:
+        client.get("never")
+    assert time.monotonic() - t0 < 0.3 + 1.0
+    assert info.value.key == "never" and info.value.op == "get"
+    assert isinstance(info.value, TimeoutError)
+    client.set("k", b"v")  # same connection, still in sync
+    assert client.get("k") == b"v"
+    assert client.add("n", 2) == 2
+    client.close()
+
+
+def test_client_retries_until_server_appears():
+    port = free_port()
+    holder: dict = {}
+
+    def start_late():
+        time.sleep(0.5)
+        holder["server"] = StoreServer("127.0.0.1", port)
+
+    t = threading.Thread(target=start_late)
+    t.start()
+    try:
+        client = TCPStore("127.0.0.1", port, timeout=10)
+        client.set("x", b"1")
+        assert client.get("x") == b"1"
+        client.close()
+    finally:
+        t.join()
+        holder["server"].close()
+
+
+def test_connect_timeout_names_the_address():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(DistConnectTimeoutError) as info:
+        TCPStore("127.0.0.1", port, timeout=0.5)
+    assert time.monotonic() - t0 < 0.5 + 1.5
+    err = info.value
+    assert isinstance(err, TimeoutError) and isinstance(err, ConnectionError)
+    assert err.addr == f"127.0.0.1:{port}" and f"127.0.0.1:{port}" in str(err)
+
+
+def test_server_death_is_a_network_error_not_a_hang():
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "distcomm.cli", "store", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "serving" in server.stdout.readline()
+        client = TCPStore("127.0.0.1", port, timeout=3)
+        client.set("a", b"1")
+        result: dict = {}
+
+        def blocked_get():
+            try:
+                client.get("never-set")
+            except Exception as e:  # noqa: BLE001 - recorded for the assertion
+                result["error"] = e
+
+        t = threading.Thread(target=blocked_get)
+        t.start()
+        time.sleep(0.3)
+        server.send_signal(signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive()
+        assert isinstance(result["error"], DistNetworkError)
+        with pytest.raises((DistNetworkError, DistConnectTimeoutError)):
+            client.get("a")
+        client.close()
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+
+
+def test_standalone_server_command_stops_on_sigterm():
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "distcomm.cli", "store", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert f"127.0.0.1:{port}" in server.stdout.readline()
+        with TCPStore("127.0.0.1", port, timeout=5) as client:
+            client.set("k", "v")
+            assert client.get("k") == b"v"
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(10) == 0
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+
+
+def test_master_waits_for_workers_and_reports_who_is_missing():
+    port = free_port()
+    clients = []
+
+    def worker():
+        clients.append(TCPStore("127.0.0.1", port, world_size=3, timeout=10))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    master = TCPStore("127.0.0.1", port, world_size=3, is_master=True, timeout=10)
+    for t in threads:
+        t.join()
+    assert len(clients) == 2 and master.num_keys() == 0
+    for c in clients:
+        c.close()
+    master.close()
+
+    with pytest.raises(DistStoreTimeoutError, match="1 of world_size=3 joined"):
+        TCPStore("127.0.0.1", 0, world_size=3, is_master=True, timeout=0.3)
+
+
+def test_multi_tenant_masters_share_one_server():
+    a = TCPStore("127.0.0.1", 0, is_master=True, timeout=5, multi_tenant=True)
+    b = TCPStore("127.0.0.1", a.port, is_master=True, timeout=5, multi_tenant=True)
+    a.set("shared", b"1")
+    assert b.get("shared") == b"1"
+    a.close()
+    assert b.get("shared") == b"1"  # the server lives while a tenant does
+    b.close()
+
+
+def test_master_listen_fd_adopts_a_bound_socket():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    master = TCPStore("127.0.0.1", port, is_master=True, timeout=5, master_listen_fd=fd)
+    assert master.port == port
+    master.set("a", b"b")
+    with TCPStore("127.0.0.1", port, timeout=5) as client:
+        assert client.get("a") == b"b"
+    master.close()
+
+
+def test_port_in_use_is_a_clear_error(master):
+    with pytest.raises(DistNetworkError, match="cannot start the store server"):
+        TCPStore("127.0.0.1", master.port, is_master=True, timeout=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"port": 0}, "only valid for the master"),
+        ({"port": 70000}, r"\[0, 65535\]"),
+        ({"port": 1234, "world_size": 0}, "world_size"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(DistInputError, match=match):
+        TCPStore("127.0.0.1", **kwargs)
+
+
+def test_closed_store_says_so(master):
+    client = TCPStore("127.0.0.1", master.port, timeout=5)
+    client.close()
+    client.close()
+    with pytest.raises(Exception, match="closed"):
+        client.get("x")
+
+
+def test_many_waiters_are_released_by_one_set(master):
+    clients = [TCPStore("127.0.0.1", master.port, timeout=10) for _ in range(32)]
+    got = []
+
+    def wait_one(c):
+        got.append(c.get("go"))
+
+    threads = [threading.Thread(target=wait_one, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    master.set("go", b"now")
+    for t in threads:
+        t.join(10)
+    assert got == [b"now"] * 32
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.timeout(120)
+def test_4096_concurrent_connections_all_served():
+    """Open 4,096 connections at once; each handshakes, adds, and reads a shared key."""
+    n = 4096
+    server = StoreServer("127.0.0.1", 0)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            s.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, 0))
+            socks.append(s)
+        for s in socks:
+            assert p.HANDSHAKE_REPLY.unpack(_recv_n(s, 8))[2] == p.HS_OK
+        deadline = time.monotonic() + 60
+        while server.num_connections < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.num_connections == n
+        # every connection waits on the same key, then one set releases them all
+        for s in socks:
+            s.sendall(p.frame(p.ADD, b"count", p.pack_int(1)))
+            s.sendall(p.frame(p.GET, b"go", p.pack_seconds(30)))
+        counts = []
+        for s in socks:
+            (length,) = p.U32.unpack(_recv_n(s, 4))
+            body = _recv_n(s, length)
+            assert body[0] == p.OK
+            counts.append(p.unpack_int(p.split_fields(body)[0]))
+        assert sorted(counts) == list(range(1, n + 1))
+        with TCPStore("127.0.0.1", server.port, timeout=30) as c:
+            c.set("go", b"!")
+        for s in socks:
+            (length,) = p.U32.unpack(_recv_n(s, 4))
+            body = _recv_n(s, length)
+            assert body[0] == p.OK and p.split_fields(body) == [b"!"]
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
+
+
+def test_fork_child_reconnects_instead_of_sharing_the_socket(master):
+    client = TCPStore("127.0.0.1", master.port, timeout=5)
+    client.set("parent", b"1")
+    pid = os.fork()
+    if pid == 0:  # child: must open its own connection
+        code = 0
+        try:
+            client.set("child", b"2")
+            code = 0 if client.get("parent") == b"1" else 3
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.get("child") == b"2"
+    client.close()
