@@ -139,9 +139,7 @@ def test_contexts(context, tmp_path):
 def test_env_is_set_in_the_ranks_only(monkeypatch):
     monkeypatch.setenv("DISTCOMM_TEST_UNSET_ME", "parent")
     env = {"DISTCOMM_TEST_VAR": "child", "DISTCOMM_TEST_UNSET_ME": None}
-    results = run_ranks(
-        read_env, 2, "DISTCOMM_TEST_VAR", "DISTCOMM_TEST_UNSET_ME", env=env
-    )
+    results = run_ranks(read_env, 2, "DISTCOMM_TEST_VAR", "DISTCOMM_TEST_UNSET_ME", env=env)
     assert results == [{"DISTCOMM_TEST_VAR": "child", "DISTCOMM_TEST_UNSET_ME": None}] * 2
     assert "DISTCOMM_TEST_VAR" not in os.environ
     assert os.environ["DISTCOMM_TEST_UNSET_ME"] == "parent"
@@ -162,6 +160,8 @@ def test_bad_arguments():
         run_ranks(echo, 1, timeout=-1)
     with pytest.raises(DistTypeError):
         run_ranks(echo, 1, env=["A=1"])
+    with pytest.raises(DistTypeError, match="env"):
+        run_ranks(echo, 1, env={"A": 1})
 
 
 # -- failures -------------------------------------------------------------------------
@@ -412,3 +412,54 @@ def test_the_autouse_fixture_fails_a_leaking_test(pytester, monkeypatch):
     )
     result.assert_outcomes(passed=3, errors=2)
     result.stdout.fnmatch_lines(["*thread 'left-behind'*", "*open fd * -> socket:*"])
+
+
+ORPHAN_SCRIPT = """
+import os, sys, time
+from distcomm.testing import run_ranks
+
+def record_and_hang(rank, world_size, directory):
+    with open(os.path.join(directory, f"{rank}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(directory, f"{rank}.tmp"), os.path.join(directory, f"{rank}.pid"))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    run_ranks(record_and_hang, 2, sys.argv[1], context=sys.argv[2], timeout=600)
+"""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("context", ["forkserver", "spawn"])
+def test_ranks_die_with_a_killed_caller(tmp_path, context):
+    import distcomm
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(distcomm.__file__)))
+    script = tmp_path / "orphan_script.py"
+    script.write_text(ORPHAN_SCRIPT)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    caller = subprocess.Popen([sys.executable, str(script), str(pids), context], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(pids.glob("*.pid"))) < 2:
+            assert caller.poll() is None, "the caller died early"
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        rank_pids = [int(p.read_text()) for p in pids.glob("*.pid")]
+        assert all(_pid_alive(pid) for pid in rank_pids)
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while any(_pid_alive(pid) for pid in rank_pids):
+        assert time.monotonic() < deadline, f"ranks {rank_pids} outlived their caller"
+        time.sleep(0.05)

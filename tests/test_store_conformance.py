@@ -6,6 +6,8 @@ run over each kind of store, and the multi-process ones over world sizes.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from distcomm.store.prefix import PrefixStore
@@ -67,4 +69,18 @@ def test_prefix_stores_do_not_see_each_other(tmp_path):
 @pytest.mark.parametrize("spec", [("nope",), ("prefix", ("bad",), "p")])
 def test_open_store_refuses_unknown_specs(spec):
     with pytest.raises(ValueError, match="unknown store spec"):
+        sc.open_store(spec)
+
+
+@pytest.mark.parametrize(
+    "module, spec",
+    [
+        ("distcomm.store.file", ("file", "unused")),
+        ("distcomm.store.tcp_client", ("tcp", "127.0.0.1", 1)),
+        ("distcomm.store.tcp_client", ("prefix", ("tcp-master", "127.0.0.1", 0), "p")),
+    ],
+)
+def test_a_store_module_that_does_not_import_fails_clearly(monkeypatch, module, spec):
+    monkeypatch.setitem(sys.modules, module, None)  # import of it now raises ImportError
+    with pytest.raises(ImportError, match=f"needs {module}"):
         sc.open_store(spec)

@@ -370,3 +370,50 @@ def test_fork_child_reconnects_instead_of_sharing_the_socket(master):
     assert os.waitstatus_to_exitcode(status) == 0
     assert client.get("child") == b"2"
     client.close()
+
+
+def test_large_values_round_trip(master):
+    value = os.urandom(16 * 1024 * 1024 + 7)
+    with TCPStore("127.0.0.1", master.port, timeout=30) as client:
+        client.set("big", value)
+        assert master.get("big") == value
+        client.append("big", b"tail")
+        assert client.multi_get(["big"]) == [value + b"tail"]
+
+
+_LOW_LIMIT_SCRIPT = """
+import resource, socket, sys, time, logging
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+logging.basicConfig(level=logging.ERROR)
+from distcomm.store.tcp_client import TCPStore
+from distcomm.errors import DistInputError
+try:
+    TCPStore("127.0.0.1", 0, world_size=100, is_master=True, timeout=1)
+except DistInputError as e:
+    print("REFUSED:", e, flush=True)
+master = TCPStore("127.0.0.1", 0, is_master=True, timeout=5)
+master.set("k", b"v")
+socks = []
+for _ in range(60):  # more connections than this process may hold
+    try:
+        socks.append(socket.create_connection(("127.0.0.1", master.port), timeout=1))
+    except OSError:
+        break
+time.sleep(0.5)
+for s in socks:
+    s.close()
+time.sleep(0.5)
+print("STILL SERVING:", master.get("k"), flush=True)
+master.close()
+"""
+
+
+def test_open_file_limit_too_low_is_said_clearly():
+    out = subprocess.run(
+        [sys.executable, "-c", _LOW_LIMIT_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED: a TCPStore master for world_size=100 needs about 164 open files" in out.stdout
+    assert "RLIMIT_NOFILE" in out.stdout
+    assert "cannot accept more connections" in out.stderr and "ulimit -n" in out.stderr
+    assert "STILL SERVING: b'v'" in out.stdout

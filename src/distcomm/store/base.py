@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Union
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
-from ..errors import DistInputError, DistStoreValueError, DistTypeError
+from ..errors import DistInputError, DistStoreTimeoutError, DistStoreValueError, DistTypeError
 
 __all__ = ["Store", "Value", "MAX_KEY_BYTES", "INTERNAL_PREFIX"]
 
@@ -284,14 +284,19 @@ class Store(ABC):
     def _append(self, key: str, value: bytes) -> None: ...
 
 
-def timeout_message(op: str, keys: Sequence[str], missing: Sequence[str], seconds: float) -> str:
-    """One line for a store wait that ran out of time."""
-    shown = ", ".join(repr(k) for k in list(missing)[:5])
+def timeout_error(
+    op: str, keys: Sequence[str], missing: Sequence[str], seconds: float
+) -> DistStoreTimeoutError:
+    """The error for a store wait that ran out of time, in one line with its facts."""
+    missing = list(missing) or list(keys[:1])
+    shown = ", ".join(repr(k) for k in missing[:5])
     more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
     if len(keys) == 1:
-        return f"store {op} of key {keys[0]!r} timed out after {seconds:g} s: the key was never set"
-    return (
-        f"store {op} timed out after {seconds:g} s: {len(missing)} of {len(keys)} keys "
-        f"never set ({shown}{more})"
-    )
+        text = f"store {op} of key {keys[0]!r} timed out after {seconds:g} s: the key was never set"
+    else:
+        text = (
+            f"store {op} timed out after {seconds:g} s: {len(missing)} of {len(keys)} keys "
+            f"never set ({shown}{more})"
+        )
+    return DistStoreTimeoutError(text, key=missing[0], op=op, timeout=seconds)
 

@@ -56,8 +56,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
-from ..errors import DistInputError, DistStoreError, DistStoreTimeoutError, DistTypeError
-from .base import INTERNAL_PREFIX, Store, apply_add, apply_compare_set, timeout_message, visible
+from ..errors import DistInputError, DistStoreError, DistTypeError
+from .base import INTERNAL_PREFIX, Store, apply_add, apply_compare_set, timeout_error, visible
 
 __all__ = ["FileStore"]
 
@@ -391,12 +391,7 @@ class FileStore(Store):
                     return [data[k] for k in keys]
             left = deadline.remaining()
             if left <= 0:
-                raise DistStoreTimeoutError(
-                    timeout_message(op, keys, missing, timeout),
-                    key=missing[0],
-                    op=op,
-                    timeout=timeout,
-                )
+                raise timeout_error(op, keys, missing, timeout)
             time.sleep(min(pause, left))
             pause = min(pause * 2, _POLL_MAX)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import threading
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
-from ..errors import DistStoreTimeoutError
-from .base import Store, apply_add, apply_compare_set, timeout_message, visible
+from .base import Store, apply_add, apply_compare_set, timeout_error, visible
 
 __all__ = ["HashStore"]
 
@@ -37,12 +36,7 @@ class HashStore(Store):
                 return
             left = deadline.remaining()
             if left <= 0:
-                raise DistStoreTimeoutError(
-                    timeout_message(op, keys, missing, timeout),
-                    key=missing[0],
-                    op=op,
-                    timeout=timeout,
-                )
+                raise timeout_error(op, keys, missing, timeout)
             self._changed.wait(left)
 
     def _get(self, key: str, timeout: float) -> bytes:

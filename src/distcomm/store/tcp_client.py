@@ -32,14 +32,16 @@ from ..errors import (
     DistStoreValueError,
     DistTypeError,
 )
+from ..fdlimit import ensure_fds
 from . import tcp_protocol as p
-from .base import INTERNAL_PREFIX, Store, timeout_message
+from .base import INTERNAL_PREFIX, Store, timeout_error
 from .tcp_server import StoreServer
 
 __all__ = ["TCPStore"]
 
 log = logging.getLogger("distcomm.store")
 
+_FIRST_READ = 64 * 1024  # bytes read for an answer before knowing its length
 _WORKERS_KEY = INTERNAL_PREFIX + "tcpstore/workers"
 _WORKERS_DONE_KEY = INTERNAL_PREFIX + "tcpstore/all_workers_joined"
 #: Backoff between connection attempts: starts here, doubles, capped.
@@ -86,6 +88,8 @@ class TCPStore(Store):
         self._closed = False
         try:
             if is_master:
+                if world_size is not None:
+                    ensure_fds(world_size + 64, f"a TCPStore master for world_size={world_size}")
                 self._start_server(multi_tenant, master_listen_fd)
             self._connect(Deadline(self._timeout_s))
             if world_size is not None:
@@ -182,7 +186,7 @@ class TCPStore(Store):
             sock.settimeout(None)  # blocking; deadlines come from SO_RCVTIMEO
             self._sock = sock
             self._budget = -1.0
-            self._rbuf = bytearray()
+            self._rbuf = bytearray(_FIRST_READ)
             return
 
     def _handshake(self, sock: socket.socket, addr: str, deadline: Deadline) -> None:
@@ -274,25 +278,29 @@ class TCPStore(Store):
         raise DistStoreError(f"store {p.OP_NAMES[op]} refused: {text}", key=key, op=p.OP_NAMES[op])
 
     def _read_frame(self, sock: socket.socket) -> tuple[int, list[bytes]]:
-        buf = self._rbuf
-        while True:
-            if len(buf) >= 4:
-                (n,) = p.U32.unpack_from(buf)
-                if n == 0 or n > p.MAX_FRAME:
-                    raise p.BadFrame(f"bad frame length {n}")
-                if len(buf) >= 4 + n:
-                    body = memoryview(buf)[4 : 4 + n]
-                    try:
-                        status, fields = body[0], p.split_fields(body)
-                    finally:
-                        body.release()
-                    del buf[: 4 + n]
-                    return status, fields
-            need = p.U32.unpack_from(buf)[0] + 4 - len(buf) if len(buf) >= 4 else 0
-            chunk = sock.recv(max(65536, need))
-            if not chunk:
+        """Read one response frame (the only one on the wire: one request in flight)."""
+        first = self._rbuf
+        have = sock.recv_into(first)
+        while have < 4:
+            if have == 0 or not (k := sock.recv_into(memoryview(first)[have:])):
                 raise ConnectionResetError("the store server closed the connection")
-            buf += chunk
+            have += k
+        (n,) = p.U32.unpack_from(first)
+        if n == 0 or n > p.MAX_FRAME:
+            raise p.BadFrame(f"bad frame length {n}")
+        if have == 4 + n:  # the common case: all of it in one read
+            return first[4], p.split_fields(memoryview(first)[4:have])
+        if have > 4 + n:
+            raise p.BadFrame("the server sent more than one answer")
+        frame = bytearray(4 + n)
+        frame[:have] = memoryview(first)[:have]
+        view = memoryview(frame)
+        while have < 4 + n:
+            k = sock.recv_into(view[have:])
+            if not k:
+                raise ConnectionResetError("the store server closed the connection mid-answer")
+            have += k
+        return frame[4], p.split_fields(view[4:])
 
     def _reset(self) -> None:
         if self._sock is not None:
@@ -306,12 +314,7 @@ class TCPStore(Store):
             return self._call(op, *fields, p.pack_seconds(timeout), wait=timeout, key=keys[0])
         except _TimeoutAnswer as t:
             name = p.OP_NAMES[op]
-            raise DistStoreTimeoutError(
-                timeout_message(name, keys, t.missing, timeout),
-                key=t.missing[0] if t.missing else keys[0],
-                op=name,
-                timeout=timeout,
-            ) from None
+            raise timeout_error(name, keys, t.missing, timeout) from None
 
     # -- Store -------------------------------------------------------------
     def _set(self, key: str, value: bytes) -> None:

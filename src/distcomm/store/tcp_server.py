@@ -46,13 +46,14 @@ _RECV_SIZE = 256 * 1024
 
 
 class _Conn:
-    __slots__ = ("sock", "addr", "rbuf", "wbuf", "ready", "waiter", "closed", "writing")
+    __slots__ = ("sock", "addr", "rbuf", "wbuf", "woff", "ready", "waiter", "closed", "writing")
 
     def __init__(self, sock: socket.socket, addr: str) -> None:
         self.sock = sock
         self.addr = addr
         self.rbuf = bytearray()
-        self.wbuf = bytearray()
+        self.wbuf = bytearray()  # unsent answers, from offset woff on
+        self.woff = 0
         self.ready = False  # handshake done
         self.waiter: _Waiter | None = None
         self.closed = False
@@ -270,14 +271,17 @@ class StoreServer:
 
     def _flush(self, conn: _Conn) -> None:
         try:
-            n = conn.sock.send(conn.wbuf)
+            with memoryview(conn.wbuf) as view:
+                n = conn.sock.send(view[conn.woff :])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._drop(conn)
             return
-        del conn.wbuf[:n]
-        if not conn.wbuf:
+        conn.woff += n
+        if conn.woff == len(conn.wbuf):
+            conn.wbuf.clear()
+            conn.woff = 0
             self._want_write(conn, False)
 
     def _want_write(self, conn: _Conn, on: bool) -> None:

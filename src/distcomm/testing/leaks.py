@@ -54,9 +54,7 @@ def _ignored_thread(thread: threading.Thread) -> bool:
 
 
 def _threads() -> frozenset:
-    return frozenset(
-        t for t in threading.enumerate() if t.is_alive() and not _ignored_thread(t)
-    )
+    return frozenset(t for t in threading.enumerate() if t.is_alive() and not _ignored_thread(t))
 
 
 # -- processes ------------------------------------------------------------------

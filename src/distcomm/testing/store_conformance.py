@@ -23,10 +23,11 @@ import contextlib
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..deadline import to_seconds
 from ..errors import (
