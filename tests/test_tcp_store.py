@@ -417,3 +417,45 @@ def test_open_file_limit_too_low_is_said_clearly():
     assert "RLIMIT_NOFILE" in out.stdout
     assert "cannot accept more connections" in out.stderr and "ulimit -n" in out.stderr
     assert "STILL SERVING: b'v'" in out.stdout
+
+
+def test_waits_on_the_same_key_list_share_a_cursor_and_survive_a_leaver(master):
+    """Many WAITs on one long key list: the first (the cursor's leader) times out
+    early, another disconnects; the rest are still released by the last key."""
+    keys = [f"rendezvous/{i:04d}" for i in range(64)]
+    master.multi_set(keys[:-1], [b"1"] * (len(keys) - 1))
+    leader = TCPStore("127.0.0.1", master.port, timeout=10)
+    with pytest.raises(DistStoreTimeoutError, match="1 of 64 keys never set"):
+        leader.wait(keys, timeout=0.2)
+    others = [TCPStore("127.0.0.1", master.port, timeout=10) for _ in range(6)]
+    results: list = []
+
+    def wait(c):
+        try:
+            c.wait(keys)
+            results.append("ok")
+        except Exception as e:  # noqa: BLE001 - recorded
+            results.append(e)
+
+    threads = [threading.Thread(target=wait, args=(c,)) for c in others[1:]]
+    first = threading.Thread(target=lambda: _expect_timeout(others[0], keys, 0.3, results))
+    first.start()  # parks first: becomes the leader, then times out
+    time.sleep(0.1)
+    for t in threads:
+        t.start()
+    first.join(5)
+    time.sleep(0.2)
+    master.set(keys[-1], b"1")
+    for t in threads:
+        t.join(5)
+    assert results.count("ok") == 5 and results[0] == "timeout"
+    for c in [leader, *others]:
+        c.close()
+
+
+def _expect_timeout(store, keys, seconds, results):
+    try:
+        store.wait(keys, timeout=seconds)
+        results.append("no timeout")
+    except DistStoreTimeoutError:
+        results.append("timeout")

@@ -1,8 +1,54 @@
 """distcomm: collective communication for Python processes.
 
-The public names live here; everything else is an implementation module.
+``import distcomm as dist`` gives torch.distributed's functions (init,
+groups, collectives, point-to-point, stores) over NumPy arrays, CPU torch
+tensors and writable buffers.  The public names live here; everything else is
+an implementation module.
 """
 
+from . import backends as _backends  # noqa: F401 - registers the built-in backends
+from .api import (
+    GroupMember,
+    default_pg_timeout,
+    destroy_process_group,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_available,
+    is_initialized,
+    new_group,
+    new_subgroups,
+    new_subgroups_by_enumeration,
+    split_group,
+)
+from .backend_registry import Backend
+from .backends import tcp as _tcp  # noqa: F401
+from .collectives import (
+    P2POp,
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_single,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_single,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
 from .errors import (
     DistBackendError,
     DistError,
@@ -10,23 +56,85 @@ from .errors import (
     DistStoreError,
     DistTimeoutError,
 )
+from . import functional
+from .group import ProcessGroup
+from .object_collectives import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
+from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .store.rendezvous import register_rendezvous_handler, rendezvous
+from .work import Work
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backend",
     "DistBackendError",
     "DistError",
     "DistNetworkError",
     "DistStoreError",
     "DistTimeoutError",
     "FileStore",
+    "GroupMember",
     "HashStore",
+    "P2POp",
     "PrefixStore",
+    "ProcessGroup",
+    "ReduceOp",
     "Store",
     "TCPStore",
+    "Work",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "default_pg_timeout",
+    "destroy_process_group",
+    "functional",
+    "gather",
+    "gather_object",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "make_premul_sum",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "recv",
+    "recv_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
     "register_rendezvous_handler",
     "rendezvous",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "send_object_list",
+    "split_group",
     "__version__",
 ]
+
+_ = _make_nccl_premul_sum  # torch's private name, reachable as distcomm._make_nccl_premul_sum

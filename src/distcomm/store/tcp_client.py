@@ -47,6 +47,11 @@ _WORKERS_DONE_KEY = INTERNAL_PREFIX + "tcpstore/all_workers_joined"
 #: Backoff between connection attempts: starts here, doubles, capped.
 CONNECT_BACKOFF_START, CONNECT_BACKOFF_MAX = 0.01, 1.0
 
+# Bumped in a forked child: stores then open their own connection.
+_fork_generation = [0]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _fork_generation.__setitem__(0, _fork_generation[0] + 1))
+
 # multi_tenant servers, by port: [server, users]
 _tenants: dict[int, list] = {}
 _tenants_lock = threading.Lock()
@@ -83,7 +88,7 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._tenant_port: int | None = None
         self._sock: socket.socket | None = None
-        self._pid = os.getpid()
+        self._fork_gen = _fork_generation[0]
         self._lock = threading.Lock()
         self._closed = False
         try:
@@ -232,19 +237,20 @@ class TCPStore(Store):
             )
         # How long to wait for the answer: the server answers blocking
         # requests itself at their deadline; the margin covers the network.
-        budget = (wait if wait is not None else self._timeout_s)
+        # Non-blocking requests use the default budget too (one setsockopt per change).
+        budget = wait if wait is not None else self._timeout_s
         budget = budget + max(2.0, 0.1 * budget)
         with self._lock:
             if self._closed:
                 raise DistStoreError(f"TCPStore {self._host}:{self._port} is closed", op=p.OP_NAMES[op])
-            if self._sock is None or self._pid != os.getpid():
+            if self._sock is None or self._fork_gen != _fork_generation[0]:
                 # First use after a fork, or after a broken connection.
                 self._sock = None
                 self._connect(Deadline(self._timeout_s))
             sock = self._sock
             assert sock is not None
             try:
-                if budget != self._budget:
+                if budget != self._budget and reply:
                     _set_io_timeout(sock, budget)
                     self._budget = budget
                 sock.sendall(request)
@@ -304,10 +310,10 @@ class TCPStore(Store):
 
     def _reset(self) -> None:
         if self._sock is not None:
-            if self._pid == os.getpid():
-                self._sock.close()
+            if self._fork_gen == _fork_generation[0]:
+                self._sock.close()  # after a fork the socket is the parent's: leave it
             self._sock = None
-        self._pid = os.getpid()
+        self._fork_gen = _fork_generation[0]
 
     def _blocking(self, op: int, keys: list[str], timeout: float, *fields: bytes) -> list[bytes]:
         try:
@@ -405,7 +411,7 @@ def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
 
 
 def _join(keys: list[str]) -> bytes:
-    return p.join_keys([k.encode() for k in keys])
+    return "\0".join(keys).encode()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -83,8 +83,17 @@ class BadFrame(ValueError):
     """A frame that does not follow the protocol."""
 
 
+_HEAD1 = struct.Struct(">IBI")
+
+
 def frame(head: int, *fields: bytes) -> bytes:
     """Encode one frame: ``head`` (opcode or status) and its fields."""
+    if len(fields) == 1:  # the common answers: one struct call, one join
+        (a,) = fields
+        return _HEAD1.pack(5 + len(a), head, len(a)) + a
+    if len(fields) == 2:
+        a, b = fields
+        return b"".join((_HEAD1.pack(9 + len(a) + len(b), head, len(a)), a, U32.pack(len(b)), b))
     parts = [b"", bytes((head,))]
     for f in fields:
         parts.append(U32.pack(len(f)))

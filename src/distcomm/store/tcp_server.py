@@ -43,6 +43,8 @@ HANDSHAKE_TIMEOUT = 60.0
 EMFILE_PAUSE = 0.1
 _INTERNAL = INTERNAL_PREFIX.encode()
 _RECV_SIZE = 256 * 1024
+#: WAITs whose key list is at least this long share cursors (rendezvous of many clients).
+_SHARE_WAIT_BYTES = 256
 
 
 class _Conn:
@@ -61,9 +63,13 @@ class _Conn:
 
 
 class _Waiter:
-    """A parked GET / WAIT / MGET."""
+    """A parked GET / WAIT / MGET.
 
-    __slots__ = ("conn", "op", "keys", "pos", "deadline", "active")
+    WAITs for the same (long) key list share one cursor: the first is the
+    leader and walks the keys; the others follow it and are answered with it.
+    """
+
+    __slots__ = ("conn", "op", "keys", "pos", "deadline", "active", "raw", "followers", "leader")
 
     def __init__(self, conn: _Conn, op: int, keys: list[bytes], deadline: float) -> None:
         self.conn = conn
@@ -72,6 +78,9 @@ class _Waiter:
         self.pos = 0
         self.deadline = deadline
         self.active = True
+        self.raw: bytes | None = None
+        self.followers: list[_Waiter] = []
+        self.leader: _Waiter | None = None
 
 
 class StoreServer:
@@ -106,6 +115,7 @@ class StoreServer:
             self._timers_compact_at = 65536
             self._seq = itertools.count()
             self._resume: deque[_Conn] = deque()
+            self._leaders: dict[bytes, _Waiter] = {}  # shared WAIT cursors by raw key list
             self._conns: set[_Conn] = set()
             self._accept_paused = False
             self._emfile_logged = False
@@ -340,7 +350,13 @@ class StoreServer:
             self._put(_key(f[0]), f[1])
         elif op == p.GET:
             _arity(f, 2)
-            self._park(conn, op, [_key(f[0])], p.unpack_seconds(f[1]))
+            key = _key(f[0])
+            value = data.get(key)
+            if value is not None:  # the common case: no waiter needed
+                p.unpack_seconds(f[1])
+                self._send(conn, p.frame(p.OK, value))
+            else:
+                self._park(conn, op, [key], p.unpack_seconds(f[1]))
         elif op == p.ADD:
             _arity(f, 2)
             key = _key(f[0])
@@ -358,7 +374,16 @@ class StoreServer:
             if new is not None:
                 self._put(key, new)
             self._send(conn, p.frame(p.OK, result))
-        elif op in (p.WAIT, p.MGET):
+        elif op == p.WAIT:
+            _arity(f, 2)
+            raw, seconds = f[0], p.unpack_seconds(f[1])
+            shared = len(raw) >= _SHARE_WAIT_BYTES
+            leader = self._leaders.get(raw) if shared else None
+            if leader is not None and leader.active:
+                self._follow(conn, leader, seconds)
+            else:
+                self._park(conn, op, _keys(raw), seconds, raw if shared else None)
+        elif op == p.MGET:
             _arity(f, 2)
             self._park(conn, op, _keys(f[0]), p.unpack_seconds(f[1]))
         elif op == p.CHECK:
@@ -404,11 +429,23 @@ class StoreServer:
                     self._advance(w)
 
     # -- waiters -----------------------------------------------------------
-    def _park(self, conn: _Conn, op: int, keys: list[bytes], seconds: float) -> None:
+    def _park(
+        self, conn: _Conn, op: int, keys: list[bytes], seconds: float, raw: bytes | None = None
+    ) -> None:
         w = _Waiter(conn, op, keys, time.monotonic() + seconds)
         conn.waiter = w
         if not self._advance(w, resume=False):
+            if raw is not None:
+                w.raw = raw
+                self._leaders[raw] = w
             self._timer(w.deadline, "waiter", w)
+
+    def _follow(self, conn: _Conn, leader: _Waiter, seconds: float) -> None:
+        w = _Waiter(conn, p.WAIT, leader.keys, time.monotonic() + seconds)
+        w.leader = leader
+        conn.waiter = w
+        leader.followers.append(w)
+        self._timer(w.deadline, "waiter", w)
 
     def _advance(self, w: _Waiter, resume: bool = True) -> bool:
         """Move ``w`` past keys that exist; answer it if none is missing."""
@@ -424,20 +461,39 @@ class StoreServer:
             # A key seen earlier was deleted since: start over.
             w.pos = 0
             return self._advance(w, resume)
-        w.active = False
-        conn = w.conn
-        conn.waiter = None
-        if w.op == p.WAIT:
-            self._send(conn, _OK)
-        else:
-            self._send(conn, p.frame(p.OK, *(data[k] for k in keys)))
-        if resume and conn.rbuf:
-            self._resume.append(conn)
+        if w.raw is not None and self._leaders.get(w.raw) is w:
+            del self._leaders[w.raw]
+        answer = _OK if w.op == p.WAIT else p.frame(p.OK, *(data[k] for k in keys))
+        for x in [w, *w.followers]:
+            if not x.active:
+                continue
+            x.active = False
+            conn = x.conn
+            conn.waiter = None
+            self._send(conn, answer)
+            if (resume or x is not w) and conn.rbuf:
+                self._resume.append(conn)
+        w.followers = []
         return True
 
     def _unpark(self, w: _Waiter) -> None:
         w.active = False
         w.conn.waiter = None
+        if w.leader is not None:  # a follower: its leader skips it when answering
+            return
+        heirs = [f for f in w.followers if f.active]
+        w.followers = []
+        if w.raw is not None and self._leaders.get(w.raw) is w:
+            del self._leaders[w.raw]
+        if heirs:  # the first follower still waiting takes over the cursor
+            heir = heirs[0]
+            heir.leader, heir.followers, heir.pos, heir.raw = None, heirs[1:], w.pos, w.raw
+            for f in heirs[1:]:
+                f.leader = heir
+            if w.raw is not None:
+                self._leaders[w.raw] = heir
+            if w.pos < len(w.keys):
+                self._watch.setdefault(w.keys[w.pos], []).append(heir)
         if w.pos < len(w.keys):
             lst = self._watch.get(w.keys[w.pos])
             if lst is not None:
@@ -507,7 +563,7 @@ def _key(k: bytes) -> bytes:
 
 def _keys(field: bytes) -> list[bytes]:
     keys = p.split_keys(field)
-    if any(len(k) > MAX_KEY_BYTES for k in keys):
+    if len(field) > MAX_KEY_BYTES and max(map(len, keys)) > MAX_KEY_BYTES:
         raise p.BadFrame("key too long")
     return keys
 

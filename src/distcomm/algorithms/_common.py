@@ -1,0 +1,296 @@
+"""Pieces every algorithm shares: argument checks, block and segment
+arithmetic, reusable scratch buffers, the receive pipeline and the ring.
+
+Arrays are 1-D C-contiguous NumPy arrays; *counts* and *offsets* are in
+elements.  A message is a contiguous slice of the caller's array sent as
+bytes; it is tagged ``collective_tag(seq, step)`` with a step unique among
+the messages one rank sends another within one collective.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..deadline import Deadline
+from ..errors import DistInputError, DistTypeError
+from ..transport.base import MAX_STEP, Channel, Request, collective_tag, wait_all
+
+Combine = Callable[[np.ndarray, np.ndarray], None]
+
+#: Large messages travel in segments of about this many bytes (pipelining).
+SEGMENT_BYTES = 512 * 1024
+#: Segments being received into scratch at once (double buffering).
+SCRATCH_SLOTS = 2
+#: Receives straight into the destination posted ahead of the one awaited.
+LOOKAHEAD = 8
+#: Scratch buffers kept per channel (one per collective running at once).
+_POOL_MAX = 4
+_ALIGN = 64
+
+# Receive modes of a pipeline item.
+DIRECT = 0  # receive straight into dst
+REDUCE = 1  # receive into scratch, then dst = dst op tmp
+REDUCE_LEFT = 2  # receive into scratch, then dst = tmp op dst (a fixed operand order)
+
+
+# -- arguments --------------------------------------------------------------------
+
+
+def check_array(arr: object, what: str = "array", writable: bool = True) -> np.ndarray:
+    """``arr`` if it is a (writable) 1-D C-contiguous ndarray of plain data."""
+    if not isinstance(arr, np.ndarray):
+        raise DistTypeError(f"{what} must be a numpy.ndarray, got {type(arr).__name__}")
+    if arr.ndim != 1 or not arr.flags.c_contiguous:
+        raise DistInputError(
+            f"{what} must be 1-D and C-contiguous, got shape {arr.shape} "
+            f"(contiguous={arr.flags.c_contiguous})"
+        )
+    if arr.dtype.hasobject:
+        raise DistTypeError(f"{what} must hold plain data, got dtype {arr.dtype}")
+    if writable and not arr.flags.writeable:
+        raise DistInputError(f"{what} must be writable")
+    return arr
+
+
+def check_root(root: object, size: int) -> int:
+    if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < size:
+        raise DistInputError(f"root must be a rank in [0, {size}), got {root!r}", rank=root)
+    return int(root)
+
+
+def check_counts(counts: Sequence[int] | None, size: int, total: int, what: str) -> list[int]:
+    """Per-rank element counts: given ones validated, or :func:`even_counts`."""
+    if counts is None:
+        return even_counts(total, size)
+    out = [int(c) for c in counts]
+    if len(out) != size or any(c < 0 for c in out) or sum(out) != total:
+        raise DistInputError(
+            f"{what} must be {size} non-negative counts summing to {total}, got {list(counts)}"
+        )
+    return out
+
+
+def even_counts(total: int, n: int) -> list[int]:
+    """``total`` split in ``n`` counts differing by at most one (larger ones first)."""
+    q, rem = divmod(total, n)
+    return [q + 1] * rem + [q] * (n - rem)
+
+
+def offsets(counts: Sequence[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def seg_elems(itemsize: int, longest: int, phases: int) -> int:
+    """Elements per segment: about SEGMENT_BYTES, larger if ``phases`` steps of
+    ``longest``-element blocks would otherwise run out of tag steps."""
+    seg = max(1, SEGMENT_BYTES // max(1, itemsize))
+    budget = (MAX_STEP - 64) // max(1, phases)
+    if -(-longest // seg) > budget:
+        seg = -(-longest // budget)
+    return seg
+
+
+def nsegs(count: int, seg: int) -> int:
+    return max(1, -(-count // seg))
+
+
+def split(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into segments of ``seg`` elements (none if empty)."""
+    return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
+
+
+def as_bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.view(np.uint8))
+
+
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the very same bytes (in-place arguments)."""
+    return a.nbytes == b.nbytes and (
+        a.nbytes == 0 or a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
+
+
+def send_all(
+    ch: Channel, peer: int, seq: int, base: int, arr: np.ndarray, parts: list[tuple[int, int]]
+) -> list[Request]:
+    """isend ``arr[a:b]`` for each part, tagged with steps ``base``, ``base + 1``, ..."""
+    return [
+        ch.isend(peer, collective_tag(seq, base + j), as_bytes(arr[a:b]))
+        for j, (a, b) in enumerate(parts)
+    ]
+
+
+# -- scratch ----------------------------------------------------------------------
+
+
+class Scratch:
+    """A byte buffer reused by successive collectives; it only grows.
+
+    Algorithms ask for at most ``SCRATCH_SLOTS`` segments (or, for the
+    small-message algorithms, the small message itself), so it stays bounded.
+    """
+
+    __slots__ = ("_buf", "__weakref__")
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.size
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` bytes (uint8), reallocated only if too small."""
+        if self._buf.size < nbytes:
+            self._buf = np.empty(nbytes, np.uint8)
+        return self._buf[:nbytes]
+
+
+_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_pools_lock = threading.Lock()
+
+
+@contextmanager
+def scratch_for(ch: Channel, scratch: Scratch | None = None) -> Iterator[Scratch]:
+    """``scratch`` if given, else one borrowed from ``ch``'s pool for the block."""
+    if scratch is not None:
+        yield scratch
+        return
+    with _pools_lock:
+        try:
+            pool = _pools.setdefault(ch, [])
+        except TypeError:  # a channel that cannot be weakly referenced
+            pool = []
+        borrowed = pool.pop() if pool else Scratch()
+    yield borrowed  # on an error it is dropped: pending receives may still write into it
+    with _pools_lock:
+        if len(pool) < _POOL_MAX:
+            pool.append(borrowed)
+
+
+def pooled_scratch(ch: Channel) -> list[Scratch]:
+    """The idle scratch buffers cached for ``ch`` (for tests and diagnostics)."""
+    with _pools_lock:
+        return list(_pools.get(ch, ()))
+
+
+# -- the receive pipeline ---------------------------------------------------------
+
+#: ``(src, step, dst, mode, guard, forwards)``: receive ``dst``'s bytes from
+#: ``src`` with ``step``; for the reducing modes wait ``guard`` (a send still
+#: reading dst) before writing; then isend dst to each ``(peer, step)``.
+Item = tuple[int, int, np.ndarray, int, "Request | None", tuple[tuple[int, int], ...]]
+
+
+def drive(
+    ch: Channel,
+    seq: int,
+    items: list[Item],
+    deadline: Deadline,
+    sends: list[Request],
+    combine: Combine | None = None,
+    scratch: Scratch | None = None,
+) -> None:
+    """Complete ``items`` in order, keeping receives posted ahead.
+
+    Item ``i + 1`` (and up to LOOKAHEAD direct ones) is posted before item
+    ``i`` is awaited and reduced, so receiving overlaps reducing; reducing
+    items take turns on SCRATCH_SLOTS scratch slots.  Forwarding isends are
+    appended to ``sends`` (the caller waits them).
+    """
+    n = len(items)
+    stride = max((it[2].nbytes for it in items if it[3] != DIRECT), default=0)
+    free: deque[np.ndarray] = deque()
+    if stride:
+        stride = -(-stride // _ALIGN) * _ALIGN
+        buf = scratch.take(stride * SCRATCH_SLOTS)
+        free.extend(buf[i * stride : (i + 1) * stride] for i in range(SCRATCH_SLOTS))
+    reqs: list[Request | None] = [None] * n
+    slots: list[np.ndarray | None] = [None] * n
+    nxt = 0
+    for i in range(n):
+        while nxt < n and nxt < i + LOOKAHEAD:
+            src, step, dst, mode, _, _ = items[nxt]
+            if mode == DIRECT:
+                target = dst.view(np.uint8)
+            elif free:
+                slots[nxt] = free.popleft()
+                target = slots[nxt][: dst.nbytes]
+            else:
+                break
+            reqs[nxt] = ch.irecv(src, collective_tag(seq, step), memoryview(target))
+            nxt += 1
+        _, _, dst, mode, guard, forwards = items[i]
+        reqs[i].wait(deadline)
+        reqs[i] = None
+        if mode != DIRECT:
+            slot = slots[i]
+            slots[i] = None
+            tmp = slot[: dst.nbytes].view(dst.dtype)
+            if guard is not None:
+                guard.wait(deadline)
+            if mode == REDUCE:
+                combine(dst, tmp)
+            else:
+                combine(tmp, dst)
+                np.copyto(dst, tmp)
+            free.append(slot)
+        for peer, step in forwards:
+            sends.append(ch.isend(peer, collective_tag(seq, step), as_bytes(dst)))
+
+
+# -- the ring ---------------------------------------------------------------------
+
+
+def ring_pass(
+    ch: Channel,
+    arr: np.ndarray,
+    counts: Sequence[int],
+    seq: int,
+    deadline: Deadline,
+    k0: int,
+    k1: int,
+    combine: Combine | None = None,
+    scratch: Scratch | None = None,
+) -> int:
+    """Steps ``k0 <= k < k1`` of the ring over the blocks ``counts`` of ``arr``.
+
+    At step k rank r sends block (r-k-1) % n to r+1 and receives block
+    (r-k-2) % n from r-1: reduced into place while k < n-1 (reduce-scatter:
+    after steps [0, n-1) block r is fully reduced at rank r), stored after
+    (allgather: steps [n-1, 2n-2) circulate every block).  Blocks move in
+    segments, each forwarded as soon as it is received.  Returns the first
+    step number not used, for a following phase.
+    """
+    n, r = ch.size, ch.rank
+    off = offsets(counts)
+    seg = seg_elems(arr.itemsize, max(counts), 2 * n)
+    nseg = max(nsegs(c, seg) for c in counts)
+    right, left = (r + 1) % n, (r - 1) % n
+    sends: list[Request] = []
+    if k0 < k1:
+        b = (r - k0 - 1) % n
+        parts = split(off[b], off[b + 1], seg)
+        sends = send_all(ch, right, seq, k0 * nseg, arr, parts)
+    items: list[Item] = []
+    for k in range(k0, k1):
+        b = (r - k - 2) % n
+        mode = REDUCE if k < n - 1 else DIRECT
+        for j, (a, e) in enumerate(split(off[b], off[b + 1], seg)):
+            fwd = ((right, (k + 1) * nseg + j),) if k + 1 < k1 else ()
+            items.append((left, k * nseg + j, arr[a:e], mode, None, fwd))
+    # An allgather step overwrites a block this rank sent during the
+    # reduce-scatter; the final value can only arrive after that send was
+    # received (it went round the whole ring), so no extra wait is needed.
+    drive(ch, seq, items, deadline, sends, combine, scratch)
+    wait_all(sends, deadline)
+    return (2 * n - 2) * nseg

@@ -1,0 +1,194 @@
+"""allreduce: every rank ends with the reduction of all ranks' arrays, in place.
+
+Every algorithm computes each result element once (or with the same operand
+order on every rank), so all ranks hold bitwise identical bytes.
+"""
+
+from __future__ import annotations
+
+from ..deadline import Deadline
+from ..transport.base import Channel, Request, collective_tag, wait_all
+from ._common import (
+    REDUCE,
+    REDUCE_LEFT,
+    Combine,
+    Item,
+    Scratch,
+    as_bytes,
+    check_array,
+    drive,
+    even_counts,
+    nsegs,
+    offsets,
+    ring_pass,
+    scratch_for,
+    seg_elems,
+    send_all,
+    split,
+)
+from .broadcast import binomial_broadcast
+from .reduce import binomial_reduce
+from .select import allreduce_algorithm, check_algorithm
+
+__all__ = ["allreduce", "ring_allreduce", "hd_allreduce", "rd_allreduce", "tree_allreduce"]
+
+
+def allreduce(
+    ch: Channel,
+    arr,
+    combine: Combine,
+    seq: int,
+    deadline: Deadline,
+    *,
+    algo: str | None = None,
+    scratch: Scratch | None = None,
+) -> None:
+    """Replace ``arr`` on every rank by ``combine`` over all ranks' ``arr``.
+
+    ``algo`` is one of ring, hd, rd, tree; by default
+    :func:`~distcomm.algorithms.select.allreduce_algorithm` picks by size.
+    """
+    check_array(arr)
+    if ch.size == 1 or arr.nbytes == 0:
+        return
+    name = check_algorithm("allreduce", algo or allreduce_algorithm(arr.nbytes, ch.size))
+    with scratch_for(ch, scratch) as s:
+        _ALGORITHMS[name](ch, arr, combine, seq, deadline, s)
+
+
+def ring_allreduce(
+    ch: Channel, arr, combine: Combine, seq: int, deadline: Deadline, scratch: Scratch
+) -> None:
+    """Ring reduce-scatter then ring allgather over n blocks, fused into one
+    pipeline of 2(n-1) steps of segments; each rank sends 2(n-1)/n of the
+    message, to its right neighbour only."""
+    n = ch.size
+    ring_pass(ch, arr, even_counts(arr.size, n), seq, deadline, 0, 2 * n - 2, combine, scratch)
+
+
+# -- folding a world of n = p + rem ranks onto p = 2**k ---------------------------
+
+
+def _fold_in(ch: Channel, arr, combine, seq, deadline, scratch, parts) -> tuple[int, int, int]:
+    """Ranks 2i and 2i+1 (i < rem) pair up: the even one hands its array to the
+    odd one and sits out.  Returns (p, rem, virtual rank or -1).  Steps [0, len(parts))."""
+    n, r = ch.size, ch.rank
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+    if r >= 2 * rem:
+        return p, rem, r - rem
+    if r % 2 == 0:
+        wait_all(send_all(ch, r + 1, seq, 0, arr, parts), deadline)
+        return p, rem, -1
+    items: list[Item] = [(r - 1, j, arr[a:e], REDUCE, None, ()) for j, (a, e) in enumerate(parts)]
+    drive(ch, seq, items, deadline, [], combine, scratch)
+    return p, rem, r // 2
+
+
+def _fold_out(ch: Channel, arr, seq: int, deadline: Deadline, rem: int, step: int) -> None:
+    """The odd rank of each pair sends the result to the even one (one message)."""
+    r = ch.rank
+    if r >= 2 * rem:
+        return
+    tag = collective_tag(seq, step)
+    if r % 2 == 0:
+        ch.irecv(r + 1, tag, as_bytes(arr)).wait(deadline)
+    else:
+        ch.isend(r - 1, tag, as_bytes(arr)).wait(deadline)
+
+
+def _real(v: int, rem: int) -> int:
+    return 2 * v + 1 if v < rem else v + rem
+
+
+def rd_allreduce(
+    ch: Channel, arr, combine: Combine, seq: int, deadline: Deadline, scratch: Scratch
+) -> None:
+    """Recursive doubling: log2 p exchanges of the whole array with rank v ^ 2**s,
+    both sides computing (lower rank's value) op (higher rank's value); extra
+    ranks of a non-power-of-two world are folded in and out.  For small messages."""
+    p = 1 << (ch.size.bit_length() - 1)
+    levels = p.bit_length() - 1
+    parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, levels + 2))
+    nseg = len(parts)
+    p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts)
+    if v >= 0:
+        for s in range(levels):
+            pv = v ^ (1 << s)
+            peer, base = _real(pv, rem), (1 + s) * nseg
+            mine = send_all(ch, peer, seq, base, arr, parts)
+            mode = REDUCE if v < pv else REDUCE_LEFT
+            items: list[Item] = [
+                (peer, base + j, arr[a:e], mode, mine[j], ()) for j, (a, e) in enumerate(parts)
+            ]
+            drive(ch, seq, items, deadline, [], combine, scratch)
+            wait_all(mine, deadline)
+    _fold_out(ch, arr, seq, deadline, rem, (1 + levels) * nseg)
+
+
+def hd_allreduce(
+    ch: Channel, arr, combine: Combine, seq: int, deadline: Deadline, scratch: Scratch
+) -> None:
+    """Rabenseifner: reduce-scatter by recursive halving (exchange half the
+    current range with v ^ d, d = p/2 .. 1), then allgather by recursive
+    doubling (d = 1 .. p/2); 2 log2 p steps, each block reduced once at its
+    owner.  Extra ranks of a non-power-of-two world are folded in and out."""
+    p = 1 << (ch.size.bit_length() - 1)
+    levels = p.bit_length() - 1
+    seg = seg_elems(arr.itemsize, arr.size, 2 * levels + 2)
+    parts = split(0, arr.size, seg)
+    nseg = nsegs(arr.size, seg)
+    p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts)
+    if v >= 0:
+        off = offsets(even_counts(arr.size, p))
+        lo, hi, s = 0, p, 0
+        given: dict[int, list[Request]] = {}
+        d = p >> 1
+        while d:  # reduce-scatter: keep one half, send the other
+            pv = v ^ d
+            peer, base = _real(pv, rem), (1 + s) * nseg
+            mid = lo + d
+            keep, give = ((mid, hi), (lo, mid)) if v & d else ((lo, mid), (mid, hi))
+            given[d] = send_all(ch, peer, seq, base, arr, split(off[give[0]], off[give[1]], seg))
+            items: list[Item] = [
+                (peer, base + j, arr[a:e], REDUCE, None, ())
+                for j, (a, e) in enumerate(split(off[keep[0]], off[keep[1]], seg))
+            ]
+            drive(ch, seq, items, deadline, [], combine, scratch)
+            lo, hi = keep
+            d >>= 1
+            s += 1
+        d = 1
+        sends: list[Request] = []
+        while d < p:  # allgather: swap owned ranges, straight into place
+            pv = v ^ d
+            peer, tag = _real(pv, rem), collective_tag(seq, (1 + s) * nseg)
+            other = (lo - d, lo) if v & d else (hi, hi + d)
+            wait_all(given.pop(d), deadline)  # the range about to be overwritten was sent from
+            if off[hi] > off[lo]:
+                sends.append(ch.isend(peer, tag, as_bytes(arr[off[lo] : off[hi]])))
+            if off[other[1]] > off[other[0]]:
+                ch.irecv(peer, tag, as_bytes(arr[off[other[0]] : off[other[1]]])).wait(deadline)
+            lo, hi = min(lo, other[0]), max(hi, other[1])
+            d <<= 1
+            s += 1
+        wait_all(sends, deadline)
+    _fold_out(ch, arr, seq, deadline, rem, (1 + 2 * levels) * nseg)
+
+
+def tree_allreduce(
+    ch: Channel, arr, combine: Combine, seq: int, deadline: Deadline, scratch: Scratch
+) -> None:
+    """Binomial reduce to rank 0 then binomial broadcast, both pipelined by
+    segment: 2(n-1) messages in all, the fewest of any algorithm, in 2 log2 n rounds."""
+    binomial_reduce(ch, arr, combine, 0, seq, deadline, scratch)
+    nseg = nsegs(arr.size, seg_elems(arr.itemsize, arr.size, 2))
+    binomial_broadcast(ch, arr, 0, seq, deadline, base=nseg)
+
+
+_ALGORITHMS = {
+    "ring": ring_allreduce,
+    "hd": hd_allreduce,
+    "rd": rd_allreduce,
+    "tree": tree_allreduce,
+}

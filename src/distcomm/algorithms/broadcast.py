@@ -1,0 +1,93 @@
+"""broadcast: the root's array to every rank, in place."""
+
+from __future__ import annotations
+
+from ..deadline import Deadline
+from ..transport.base import Channel, Request, wait_all
+from ._common import DIRECT, Item, check_array, check_root, drive, seg_elems, send_all, split
+from .select import broadcast_algorithm, check_algorithm
+
+__all__ = ["broadcast", "binomial_broadcast", "chain_broadcast"]
+
+
+def broadcast(
+    ch: Channel, arr, root: int, seq: int, deadline: Deadline, *, algo: str | None = None
+) -> None:
+    """Copy ``arr`` of rank ``root`` into ``arr`` of every rank (same size everywhere).
+
+    Binomial tree for small messages, pipelined chain for large ones
+    (:func:`~distcomm.algorithms.select.broadcast_algorithm`).
+    """
+    check_array(arr)
+    root = check_root(root, ch.size)
+    if ch.size == 1 or arr.nbytes == 0:
+        return
+    name = check_algorithm("broadcast", algo or broadcast_algorithm(arr.nbytes, ch.size))
+    if name == "chain":
+        chain_broadcast(ch, arr, root, seq, deadline)
+    else:
+        binomial_broadcast(ch, arr, root, seq, deadline)
+
+
+def tree_links(rank: int, size: int, root: int) -> tuple[int | None, list[int]]:
+    """Parent and children (largest subtree first) of ``rank`` in the binomial tree at ``root``.
+
+    With v = (rank - root) % size, the parent is v minus its lowest set bit and
+    the children are v + m for the powers of two m below that bit.
+    """
+    v = (rank - root) % size
+    mask = 1
+    parent = None
+    while mask < size:
+        if v & mask:
+            parent = (v - mask + root) % size
+            break
+        mask <<= 1
+    children = []
+    mask >>= 1
+    while mask:
+        if v + mask < size:
+            children.append((v + mask + root) % size)
+        mask >>= 1
+    return parent, children
+
+
+def binomial_broadcast(
+    ch: Channel, arr, root: int, seq: int, deadline: Deadline, base: int = 0
+) -> None:
+    """Binomial tree: ceil(log2 n) rounds, n-1 messages per segment.  Each rank
+    receives from its parent straight into ``arr`` and forwards every segment
+    to its children as soon as it arrives.  Steps ``base .. base + segments``."""
+    parent, children = tree_links(ch.rank, ch.size, root)
+    parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, 2))
+    sends: list[Request] = []
+    if parent is None:
+        for j, (a, e) in enumerate(parts):
+            for child in children:
+                sends.extend(send_all(ch, child, seq, base + j, arr, [(a, e)]))
+    else:
+        items: list[Item] = [
+            (parent, base + j, arr[a:e], DIRECT, None, tuple((c, base + j) for c in children))
+            for j, (a, e) in enumerate(parts)
+        ]
+        drive(ch, seq, items, deadline, sends)
+    wait_all(sends, deadline)
+
+
+def chain_broadcast(ch: Channel, arr, root: int, seq: int, deadline: Deadline) -> None:
+    """Pipelined chain root -> root+1 -> ... -> root-1 in segments: every rank
+    sends and receives the message once; latency n-2 + segments segment times."""
+    n, r = ch.size, ch.rank
+    v = (r - root) % n
+    nxt = (r + 1) % n if v + 1 < n else None
+    parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, 1))
+    sends: list[Request] = []
+    if v == 0:
+        sends = send_all(ch, nxt, seq, 0, arr, parts)
+    else:
+        fwd = (lambda j: ((nxt, j),)) if nxt is not None else (lambda j: ())
+        items: list[Item] = [
+            ((r - 1) % n, j, arr[a:e], DIRECT, None, fwd(j)) for j, (a, e) in enumerate(parts)
+        ]
+        drive(ch, seq, items, deadline, sends)
+    wait_all(sends, deadline)

@@ -1,0 +1,419 @@
+"""Initialisation, groups and queries: the torch.distributed-style entry points.
+
+One :class:`_World` per initialisation holds the default group, the store,
+every group created since, and the backend's shared resources.
+``destroy_process_group()`` tears all of it down so a later
+``init_process_group()`` starts clean; group names carry the initialisation's
+number, so they never collide across re-initialisations.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+from .backend_registry import Backend, resolve_backend
+from .deadline import Timeout, to_seconds
+from .errors import DistBackendError, DistInputError, DistTypeError
+from .group import ProcessGroup
+from .store import PrefixStore, Store
+from .store.rendezvous import rendezvous
+
+__all__ = [
+    "GroupMember",
+    "init_process_group",
+    "is_initialized",
+    "destroy_process_group",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "split_group",
+    "get_group_rank",
+    "get_global_rank",
+    "get_process_group_ranks",
+    "default_pg_timeout",
+    "is_available",
+]
+
+#: Default timeout of a process group, as torch's gloo default.
+default_pg_timeout = timedelta(minutes=30)
+#: What ``backend=None`` and ``"gloo"`` mean.
+DEFAULT_BACKEND = "tcp"
+
+
+class _NonMember:
+    """The group a rank gets back from ``new_group`` when it is not a member."""
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class GroupMember:
+    """``GroupMember.WORLD`` is the default group; ``NON_GROUP_MEMBER`` marks non-members."""
+
+    WORLD: ProcessGroup | None = None
+    NON_GROUP_MEMBER = _NonMember()
+
+
+class _World:
+    def __init__(self, generation: int, store: Store, rank: int, size: int, backend: str) -> None:
+        self.generation = generation
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self.default: ProcessGroup | None = None
+        self.groups: dict[str, ProcessGroup] = {}
+        self.resources: list[Any] = []  # closed on destroy, last first
+        self.group_count = 0
+        self.local_counts: dict[tuple[int, ...], int] = {}
+        self.lock = threading.Lock()
+
+
+_world: _World | None = None
+_generation = 0
+_init_lock = threading.Lock()
+
+
+def is_available() -> bool:
+    """distcomm is always available."""
+    return True
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return _world is not None
+
+
+def _require_world() -> _World:
+    if _world is None:
+        raise DistBackendError(
+            "the default process group is not initialised; call distcomm.init_process_group() first"
+        )
+    return _world
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: Timeout | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Store | None = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
+    """Initialise the default process group (as ``torch.distributed.init_process_group``).
+
+    Give either ``init_method`` (default ``env://``) or a ``store`` with
+    ``rank`` and ``world_size``.  ``backend`` defaults to distcomm's CPU
+    backend; ``"gloo"`` is an alias for it.
+    """
+    global _world, _generation
+    with _init_lock:
+        if _world is not None:
+            raise DistInputError(
+                "init_process_group was already called in this process; "
+                "call destroy_process_group() before initialising again"
+            )
+        name, factory = resolve_backend(backend, DEFAULT_BACKEND)
+        seconds = to_seconds(default_pg_timeout if timeout is None else timeout)
+        if store is None:
+            if world_size is not None and world_size != -1 or rank is not None and rank != -1:
+                _check_rank_size(rank, world_size)
+            url = init_method or "env://"
+            store, rank, world_size = next(
+                rendezvous(url, rank if rank is not None else -1,
+                           world_size if world_size is not None else -1, timeout=seconds)
+            )
+            owns_store = True
+        else:
+            if init_method is not None:
+                raise DistInputError("give init_method or store, not both")
+            if not isinstance(store, Store):
+                raise DistTypeError(f"store must be a distcomm Store, got {type(store).__name__}")
+            _check_rank_size(rank, world_size, required=True)
+            owns_store = False
+        _generation += 1
+        gen = _generation
+        prefixed = PrefixStore(f"distcomm/{gen}/default_pg", store)
+        world = _World(gen, prefixed, rank, world_size, name)
+        if owns_store:
+            world.resources.append(store)
+        try:
+            pg = factory.world(prefixed, rank, world_size, seconds, world=world)
+        except BaseException:
+            _close_all(world.resources)
+            raise
+        pg.group_name = group_name or f"{gen}:default"
+        world.default = pg
+        world.groups[pg.group_name] = pg
+        GroupMember.WORLD = pg
+        _world = world
+
+
+def _check_rank_size(rank: Any, world_size: Any, required: bool = False) -> None:
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DistTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if required and (world_size < 1 or rank < 0):
+        raise DistInputError(
+            f"with a store, give rank and world_size (got rank={rank}, world_size={world_size})"
+        )
+    if world_size != -1 and world_size < 1:
+        raise DistInputError(f"world_size must be >= 1, got {world_size}")
+    if rank != -1 and world_size != -1 and not 0 <= rank < world_size:
+        raise DistInputError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Destroy ``group``, or everything (default group included) when None."""
+    global _world
+    world = _world
+    if world is None:
+        if group is None:
+            return
+        raise DistBackendError("no process group is initialised")
+    if group is not None and group is not world.default:
+        if group is GroupMember.NON_GROUP_MEMBER:
+            return
+        group.shutdown()
+        with world.lock:
+            world.groups.pop(group.group_name, None)
+        return
+    with _init_lock:
+        for pg in list(world.groups.values())[::-1]:
+            pg.shutdown()
+        world.groups.clear()
+        _close_all(world.resources[::-1])
+        GroupMember.WORLD = None
+        _world = None
+
+
+def _close_all(resources: list[Any]) -> None:
+    for r in resources:
+        try:
+            r.close()
+        except Exception:  # noqa: BLE001 - teardown goes on
+            pass
+
+
+@atexit.register
+def _teardown_at_exit() -> None:
+    try:
+        destroy_process_group()
+    except Exception:  # noqa: BLE001 - never hang or fail interpreter exit
+        pass
+
+
+# -- queries -----------------------------------------------------------------------------
+def _group(group: ProcessGroup | None) -> ProcessGroup:
+    world = _require_world()
+    if group is None:
+        assert world.default is not None
+        return world.default
+    if not isinstance(group, ProcessGroup):
+        raise DistTypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def _is_member(group: ProcessGroup | None) -> bool:
+    return group is not GroupMember.NON_GROUP_MEMBER
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (-1 if it is not a member)."""
+    if not _is_member(group):
+        return -1
+    return _group(group).rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (-1 if this process is not a member)."""
+    if not _is_member(group):
+        return -1
+    return _group(group).size()
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The backend name of ``group``."""
+    if not _is_member(group):
+        raise DistInputError("this process is not a member of the group")
+    return Backend(_group(group).backend_name)
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return list(_group(group).ranks)
+
+
+def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group``."""
+    pg = _group(group)
+    if not isinstance(group_rank, int) or not 0 <= group_rank < pg.size():
+        raise DistInputError(f"group rank {group_rank!r} is not in [0, {pg.size()})")
+    return pg.ranks[group_rank]
+
+
+def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
+    """The rank in ``group`` of global rank ``global_rank``."""
+    pg = _group(group)
+    try:
+        return pg.ranks.index(global_rank)
+    except ValueError:
+        raise DistInputError(
+            f"global rank {global_rank!r} is not a member of group {pg.group_name!r} "
+            f"(members: {pg.ranks})"
+        ) from None
+
+
+# -- new groups ----------------------------------------------------------------------------
+def new_group(
+    ranks: list[int] | None = None,
+    timeout: Timeout | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+) -> ProcessGroup | _NonMember:
+    """Create a group of the given global ranks (all of them by default).
+
+    Every rank of the default group must call it, in the same order, unless
+    ``use_local_synchronization`` is true, in which case only members do.
+    Non-members get ``GroupMember.NON_GROUP_MEMBER``.
+    """
+    world = _require_world()
+    members = _check_ranks(ranks, world.size)
+    seconds = world.default.timeout if timeout is None else to_seconds(timeout)
+    name_, factory = resolve_backend(backend, world.backend)
+    with world.lock:
+        if use_local_synchronization:
+            key = tuple(members)
+            n = world.local_counts.get(key, 0)
+            world.local_counts[key] = n + 1
+            digest = hashlib.blake2b(repr(key).encode(), digest_size=6).hexdigest()
+            name = f"{world.generation}:local:{digest}:{n}"
+        else:
+            world.group_count += 1
+            name = f"{world.generation}:{world.group_count}"
+        if group_desc:
+            name = f"{name}:{group_desc}"
+    if world.rank not in members:
+        return GroupMember.NON_GROUP_MEMBER
+    store = PrefixStore(f"group/{name}", world.store)
+    pg = factory.subgroup(world.default, store, members, members.index(world.rank), name, seconds)
+    pg.group_name = name
+    pg.ranks = members
+    with world.lock:
+        world.groups[name] = pg
+    return pg
+
+
+def _check_ranks(ranks: Any, world_size: int) -> list[int]:
+    if ranks is None:
+        return list(range(world_size))
+    try:
+        members = sorted(ranks)
+    except TypeError:
+        raise DistTypeError(f"ranks must be a list of ints, got {ranks!r:.80}") from None
+    for r in members:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+            raise DistInputError(f"rank {r!r} in ranks is not in [0, {world_size})")
+    if len(set(members)) != len(members):
+        raise DistInputError(f"ranks lists a rank twice: {ranks!r}")
+    if not members:
+        raise DistInputError("ranks must name at least one rank")
+    return members
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: list[list[int]],
+    timeout: Timeout | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """Create one group per list of ranks; return (this rank's group, all groups)."""
+    world = _require_world()
+    seen: set[int] = set()
+    for ranks in ranks_per_subgroup_list:
+        overlap = seen.intersection(ranks)
+        if overlap:
+            raise DistInputError(f"rank {min(overlap)} is in more than one subgroup")
+        seen.update(ranks)
+    mine = None
+    groups = []
+    for ranks in ranks_per_subgroup_list:
+        g = new_group(ranks, timeout=timeout, backend=backend)
+        groups.append(g)
+        if world.rank in ranks:
+            mine = g
+    return mine, groups
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: Timeout | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """Split the world into consecutive subgroups of ``group_size`` ranks.
+
+    ``group_size`` defaults to ``LOCAL_WORLD_SIZE`` (ranks per machine).
+    """
+    world = _require_world()
+    if group_size is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if not local:
+            raise DistInputError("give group_size (LOCAL_WORLD_SIZE is not set to default it)")
+        group_size = int(local)
+    parent = get_process_group_ranks(group) if group is not None else list(range(world.size))
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise DistInputError(f"group_size must be a positive int, got {group_size!r}")
+    if len(parent) % group_size:
+        raise DistInputError(
+            f"group_size {group_size} does not divide the group's {len(parent)} ranks"
+        )
+    chunks = [parent[i : i + group_size] for i in range(0, len(parent), group_size)]
+    return new_subgroups_by_enumeration(chunks, timeout=timeout, backend=backend)
+
+
+def split_group(
+    parent_pg: ProcessGroup | None = None,
+    split_ranks: list[list[int]] | None = None,
+    timeout: Timeout | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> ProcessGroup | None:
+    """Split ``parent_pg`` into disjoint groups of *global* ranks; return this rank's (or None)."""
+    parent = _group(parent_pg)
+    if not split_ranks:
+        raise DistInputError("split_ranks must be a non-empty list of lists of ranks")
+    for ranks in split_ranks:
+        for r in ranks:
+            if r not in parent.ranks:
+                raise DistInputError(f"rank {r} in split_ranks is not in the parent group {parent.ranks}")
+    seen: set[int] = set()
+    mine = None
+    for ranks in split_ranks:  # only the parent's members call this: names are local
+        if seen.intersection(ranks):
+            raise DistInputError(f"rank {min(seen.intersection(ranks))} is in more than one split")
+        seen.update(ranks)
+        desc = f"split:{parent.group_name}" + (f":{group_desc}" if group_desc else "")
+        g = new_group(ranks, timeout=timeout, backend=parent.backend_name,
+                      use_local_synchronization=True, group_desc=desc)
+        if g is not GroupMember.NON_GROUP_MEMBER:
+            mine = g
+    return mine

@@ -1,0 +1,99 @@
+"""``Backend``: backend names, aliases, and the registry of backend factories.
+
+A backend factory builds the world group from ``(store, rank, world_size,
+timeout)`` and, if it can, subgroups that share the world's resources (one
+listening socket per process).  Third-party backends registered with
+:meth:`Backend.register_backend` give a plain function, called again with a
+prefixed store for each subgroup, as torch does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .errors import DistInputError, DistTypeError
+
+__all__ = ["Backend", "BackendFactory", "resolve_backend"]
+
+
+class BackendFactory:
+    """How a backend makes groups.  Subclass and override :meth:`subgroup` to share resources."""
+
+    def __init__(self, name: str, world: Callable[..., Any]) -> None:
+        self.name = name
+        self._world = world
+
+    def world(self, store: Any, rank: int, size: int, timeout: float, **options: Any) -> Any:
+        return self._world(store, rank, size, timeout, **options)
+
+    def subgroup(
+        self, world_pg: Any, store: Any, ranks: list[int], group_rank: int, name: str, timeout: float
+    ) -> Any:
+        return self._world(store, group_rank, len(ranks), timeout)
+
+
+class Backend(str):
+    """A backend name: ``Backend("GLOO") == "gloo"``; ``Backend.TCP``, ``Backend.GLOO``, ..."""
+
+    UNDEFINED = "undefined"
+    TCP = "tcp"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    MPI = "mpi"
+    UCC = "ucc"
+
+    #: name -> factory
+    _factories: dict[str, BackendFactory] = {}
+    #: alias -> name it stands for
+    _aliases: dict[str, str] = {}
+
+    def __new__(cls, name: str) -> Backend:
+        if not isinstance(name, str):
+            raise DistTypeError(f"backend name must be a str, got {type(name).__name__}")
+        return super().__new__(cls, name.lower())
+
+    @classmethod
+    def register_backend(
+        cls,
+        name: str,
+        func: Callable[..., Any] | BackendFactory,
+        extended_api: bool = False,
+        devices: str | list[str] | None = None,
+    ) -> None:
+        """Register ``func(store, rank, world_size, timeout) -> ProcessGroup`` as ``name``."""
+        key = Backend(name)
+        if key in cls._factories or key in cls._aliases:
+            raise DistInputError(f"backend {key!r} is already registered")
+        factory = func if isinstance(func, BackendFactory) else BackendFactory(key, func)
+        cls._factories[key] = factory
+        setattr(cls, key.upper(), str(key))
+
+    @classmethod
+    def register_alias(cls, alias: str, name: str) -> None:
+        cls._aliases[Backend(alias)] = Backend(name)
+
+    @classmethod
+    def available(cls) -> list[str]:
+        return sorted(set(cls._factories) | set(cls._aliases))
+
+
+def resolve_backend(name: str | None, default: str) -> tuple[str, BackendFactory]:
+    """The backend's canonical name and factory; a clear error for unknown ones."""
+    key = Backend(default if name is None else name)
+    if ":" in key:  # torch's "cpu:gloo,cuda:nccl" form: take the CPU entry
+        parts = dict(p.split(":", 1) for p in key.split(",") if ":" in p)
+        if "cpu" not in parts:
+            raise DistInputError(f"backend {name!r} names no CPU backend; distcomm runs on the CPU")
+        key = Backend(parts["cpu"])
+    key = Backend(Backend._aliases.get(key, key))
+    factory = Backend._factories.get(key)
+    if factory is None:
+        avail = ", ".join(Backend.available())
+        if key == "nccl":
+            raise DistInputError(
+                f"backend 'nccl' needs CUDA GPUs, which distcomm does not use; available: {avail} "
+                "('gloo' selects distcomm's CPU backend)"
+            )
+        raise DistInputError(f"unknown backend {name!r}; available: {avail}")
+    return key, factory

@@ -1,0 +1,1 @@
+"""Backends: process groups built on a transport (tcp) and the registry entries for them."""

@@ -1,0 +1,419 @@
+"""``ChannelProcessGroup``: every collective, over any :class:`Channel`.
+
+Each method checks its arguments (one-line errors, nothing issued on bad
+input), then issues the collective on the group's serial executor, running
+an algorithm of :mod:`distcomm.algorithms` over the channel.  Lists of
+tensors are packed into one staging buffer the group keeps and reuses (so
+memory stays flat over repeated calls); single tensors are used in place.
+Point-to-point calls post straight to the channel, off the executor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import algorithms as algo
+from ..arrays import ArrayRef, as_array
+from ..deadline import Deadline, to_seconds
+from ..errors import DistInputError, DistTimeoutError, DistTypeError
+from ..group import ProcessGroup
+from ..reduce_op import check_op, combiner, finalize
+from ..transport.base import MAX_P2P_TAG, Channel, Request, p2p_tag
+from ..work import Work
+
+__all__ = ["ChannelProcessGroup"]
+
+
+class _Staging:
+    """Byte buffers reused across collectives (one collective runs at a time)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, dtype: np.dtype, count: int) -> np.ndarray:
+        nbytes = count * dtype.itemsize
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < nbytes:
+            buf = self._bufs[name] = np.empty(max(nbytes, 64), np.uint8)
+        return buf[:nbytes].view(dtype)
+
+
+class ChannelProcessGroup(ProcessGroup):
+    """A process group whose collectives run as algorithms over a channel."""
+
+    def __init__(self, channel: Channel, group_name: str, timeout: float, ranks: list[int]) -> None:
+        super().__init__(channel.rank, channel.size, group_name, timeout, ranks)
+        self.channel = channel
+        self._staging = _Staging()
+
+    # -- lifecycle hooks ----------------------------------------------------------------
+    def _cancel_pending(self, cause: BaseException) -> None:
+        self.channel.cancel(cause)
+
+    def _abort_transport(self, cause: BaseException) -> None:
+        self.channel.abort(cause)
+
+    def _release(self) -> None:
+        self.channel.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _ref(self, obj: Any, what: str, writable: bool = True) -> ArrayRef:
+        return as_array(obj, writable=writable, what=what)
+
+    def _refs(self, objs: Any, what: str, writable: bool = True, n: int | None = None) -> list[ArrayRef]:
+        if not isinstance(objs, (list, tuple)):
+            raise DistTypeError(f"{what} must be a list of tensors, got {type(objs).__name__}")
+        if n is not None and len(objs) != n:
+            raise DistInputError(
+                f"{what} has {len(objs)} tensors; expected one per rank of the group ({n})"
+            )
+        return [self._ref(o, f"{what}[{i}]", writable) for i, o in enumerate(objs)]
+
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self._size:
+            raise DistInputError(f"{what} {root} is not a rank of this group [0, {self._size})")
+
+    def _check_like(self, ref: ArrayRef, like: ArrayRef, factor: int = 1) -> None:
+        if ref.dtype != like.dtype:
+            raise DistInputError(
+                f"{ref.what} has dtype {ref.dtype} but {like.what} has {like.dtype}; they must match"
+            )
+        if ref.numel != like.numel * factor:
+            times = f"{factor} x " if factor != 1 else ""
+            raise DistInputError(
+                f"{ref.what} has {ref.numel} elements; expected {times}{like.numel} "
+                f"(the {like.what} size{' times the group size' if factor != 1 else ''})"
+            )
+
+    # -- collectives ----------------------------------------------------------------------
+    def broadcast(self, tensor: Any, root: int, async_op: bool = False) -> Work:
+        self._check_root(root, "src")
+        ref = self._ref(tensor, "tensor")
+
+        def run(seq: int, deadline: Deadline) -> None:
+            algo.broadcast(self.channel, ref.array, root, seq, deadline)
+
+        return self._submit("broadcast", run, async_op, result=tensor)
+
+    def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Work:
+        ref = self._ref(tensor, "tensor")
+        op = check_op(op, ref.dtype)
+        combine = combiner(op, ref.dtype)
+
+        def run(seq: int, deadline: Deadline) -> None:
+            algo.allreduce(self.channel, ref.array, combine, seq, deadline)
+            finalize(op, ref.array, self._size, ref.dtype)
+
+        return self._submit("all_reduce", run, async_op, result=tensor)
+
+    def reduce(self, tensor: Any, root: int, op: Any, async_op: bool = False) -> Work:
+        self._check_root(root, "dst")
+        ref = self._ref(tensor, "tensor", writable=self._rank == root)
+        op = check_op(op, ref.dtype)
+        combine = combiner(op, ref.dtype)
+
+        def run(seq: int, deadline: Deadline) -> None:
+            if self._rank == root:
+                arr = ref.array
+            else:  # the algorithm accumulates in place: keep the caller's input intact
+                arr = self._staging.take("reduce", ref.array.dtype, ref.numel)
+                np.copyto(arr, ref.array)
+            algo.reduce(self.channel, arr, combine, root, seq, deadline)
+            if self._rank == root:
+                finalize(op, arr, self._size, ref.dtype)
+
+        return self._submit("reduce", run, async_op, result=tensor)
+
+    def allgather(self, output_list: Any, tensor: Any, async_op: bool = False) -> Work:
+        inp = self._ref(tensor, "tensor", writable=False)
+        outs = self._refs(output_list, "tensor_list", n=self._size)
+        for o in outs:
+            self._check_like(o, inp)
+        n = inp.numel
+
+        def run(seq: int, deadline: Deadline) -> None:
+            buf = self._staging.take("gather", inp.array.dtype, n * self._size)
+            buf[self._rank * n : (self._rank + 1) * n] = inp.array
+            algo.allgather(self.channel, buf, seq, deadline)
+            for i, o in enumerate(outs):
+                o.array[:] = buf[i * n : (i + 1) * n]
+
+        return self._submit("all_gather", run, async_op, result=output_list)
+
+    def allgather_into_tensor(self, output: Any, input: Any, async_op: bool = False) -> Work:
+        inp = self._ref(input, "input_tensor", writable=False)
+        out = self._ref(output, "output_tensor")
+        self._check_like(out, inp, self._size)
+        n = inp.numel
+
+        def run(seq: int, deadline: Deadline) -> None:
+            mine = out.array[self._rank * n : (self._rank + 1) * n]
+            if not _same(mine, inp.array):
+                mine[:] = inp.array
+            algo.allgather(self.channel, out.array, seq, deadline)
+
+        return self._submit("all_gather_into_tensor", run, async_op, result=output)
+
+    def gather(self, tensor: Any, gather_list: Any, root: int, async_op: bool = False) -> Work:
+        self._check_root(root, "dst")
+        inp = self._ref(tensor, "tensor", writable=False)
+        outs: list[ArrayRef] = []
+        if self._rank == root:
+            if gather_list is None:
+                raise DistInputError("gather_list is required on the destination rank")
+            outs = self._refs(gather_list, "gather_list", n=self._size)
+            for o in outs:
+                self._check_like(o, inp)
+        elif gather_list:
+            raise DistInputError("gather_list must be None (or empty) on ranks other than dst")
+        n = inp.numel
+
+        def run(seq: int, deadline: Deadline) -> None:
+            buf = None
+            if self._rank == root:
+                buf = self._staging.take("gather", inp.array.dtype, n * self._size)
+            algo.gather(self.channel, inp.array, buf, root, seq, deadline)
+            for i, o in enumerate(outs):
+                o.array[:] = buf[i * n : (i + 1) * n]
+
+        return self._submit("gather", run, async_op, result=gather_list)
+
+    def scatter(self, tensor: Any, scatter_list: Any, root: int, async_op: bool = False) -> Work:
+        self._check_root(root, "src")
+        out = self._ref(tensor, "tensor")
+        ins: list[ArrayRef] = []
+        if self._rank == root:
+            if scatter_list is None:
+                raise DistInputError("scatter_list is required on the source rank")
+            ins = self._refs(scatter_list, "scatter_list", writable=False, n=self._size)
+            for i in ins:
+                self._check_like(i, out)
+        elif scatter_list:
+            raise DistInputError("scatter_list must be None (or empty) on ranks other than src")
+        n = out.numel
+
+        def run(seq: int, deadline: Deadline) -> None:
+            buf = None
+            if self._rank == root:
+                buf = self._staging.take("scatter", out.array.dtype, n * self._size)
+                for i, r in enumerate(ins):
+                    buf[i * n : (i + 1) * n] = r.array
+            algo.scatter(self.channel, buf, out.array, root, seq, deadline)
+
+        return self._submit("scatter", run, async_op, result=tensor)
+
+    def reduce_scatter(self, output: Any, input_list: Any, op: Any, async_op: bool = False) -> Work:
+        out = self._ref(output, "output")
+        ins = self._refs(input_list, "input_list", writable=False, n=self._size)
+        for i in ins:
+            self._check_like(i, out)
+        op = check_op(op, out.dtype)
+        combine = combiner(op, out.dtype)
+        n = out.numel
+
+        def run(seq: int, deadline: Deadline) -> None:
+            buf = self._staging.take("reduce_scatter", out.array.dtype, n * self._size)
+            for i, r in enumerate(ins):
+                buf[i * n : (i + 1) * n] = r.array
+            mine = algo.reduce_scatter(self.channel, buf, combine, seq, deadline)
+            out.array[:] = mine
+            finalize(op, out.array, self._size, out.dtype)
+
+        return self._submit("reduce_scatter", run, async_op, result=output)
+
+    def reduce_scatter_tensor(self, output: Any, input: Any, op: Any, async_op: bool = False) -> Work:
+        out = self._ref(output, "output")
+        inp = self._ref(input, "input", writable=False)
+        self._check_like(inp, out, self._size)
+        op = check_op(op, out.dtype)
+        combine = combiner(op, out.dtype)
+
+        def run(seq: int, deadline: Deadline) -> None:
+            buf = self._staging.take("reduce_scatter", inp.array.dtype, inp.numel)
+            np.copyto(buf, inp.array)  # the algorithm works in place; the input stays intact
+            mine = algo.reduce_scatter(self.channel, buf, combine, seq, deadline)
+            out.array[:] = mine
+            finalize(op, out.array, self._size, out.dtype)
+
+        return self._submit("reduce_scatter_tensor", run, async_op, result=output)
+
+    def alltoall(self, output_list: Any, input_list: Any, async_op: bool = False) -> Work:
+        outs = self._refs(output_list, "output_tensor_list", n=self._size)
+        ins = self._refs(input_list, "input_tensor_list", writable=False, n=self._size)
+        dtypes = {r.dtype for r in [*outs, *ins]}
+        if len(dtypes) > 1:
+            raise DistInputError(f"all_to_all tensors must share one dtype, got {sorted(dtypes)}")
+        dtype = (outs or ins)[0].array.dtype
+        send_counts = [r.numel for r in ins]
+        recv_counts = [r.numel for r in outs]
+
+        def run(seq: int, deadline: Deadline) -> None:
+            send = self._staging.take("a2a_send", dtype, sum(send_counts))
+            recv = self._staging.take("a2a_recv", dtype, sum(recv_counts))
+            _pack(send, [r.array for r in ins])
+            algo.alltoall(self.channel, send, recv, seq, deadline,
+                          send_counts=send_counts, recv_counts=recv_counts)
+            _unpack(recv, [r.array for r in outs])
+
+        return self._submit("all_to_all", run, async_op, result=output_list)
+
+    def alltoall_single(
+        self, output: Any, input: Any, output_split_sizes: Sequence[int] | None,
+        input_split_sizes: Sequence[int] | None, async_op: bool = False,
+    ) -> Work:
+        out = self._ref(output, "output")
+        inp = self._ref(input, "input", writable=False)
+        if out.dtype != inp.dtype:
+            raise DistInputError(f"output has dtype {out.dtype} but input has {inp.dtype}; they must match")
+        recv_counts = self._splits(out, output_split_sizes, "output_split_sizes")
+        send_counts = self._splits(inp, input_split_sizes, "input_split_sizes")
+        if _overlaps(out.array, inp.array):
+            raise DistInputError("all_to_all_single output and input must not overlap")
+
+        def run(seq: int, deadline: Deadline) -> None:
+            algo.alltoall(self.channel, inp.array, out.array, seq, deadline,
+                          send_counts=send_counts, recv_counts=recv_counts)
+
+        return self._submit("all_to_all_single", run, async_op, result=output)
+
+    def _splits(self, ref: ArrayRef, splits: Sequence[int] | None, what: str) -> list[int]:
+        """Element counts per rank from splits along dimension 0."""
+        rows = ref.shape[0] if ref.shape else 1
+        per_row = ref.numel // rows if rows else 0
+        if splits is None or len(splits) == 0:
+            if rows % self._size:
+                raise DistInputError(
+                    f"{ref.what} has {rows} rows, not divisible by the group size {self._size}; "
+                    f"give {what}"
+                )
+            return [rows // self._size * per_row] * self._size
+        splits = list(splits)
+        if len(splits) != self._size or any(
+            isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in splits
+        ):
+            raise DistInputError(
+                f"{what} must list {self._size} non-negative ints (one per rank), got {splits}"
+            )
+        if sum(splits) != rows:
+            raise DistInputError(
+                f"{what} {splits} add up to {sum(splits)} but {ref.what} has {rows} rows"
+            )
+        return [int(s) * per_row for s in splits]
+
+    def barrier(self, async_op: bool = False) -> Work:
+        def run(seq: int, deadline: Deadline) -> None:
+            algo.barrier(self.channel, seq, deadline)
+
+        return self._submit("barrier", run, async_op)
+
+    # -- point to point ----------------------------------------------------------------------
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> Work:
+        self._check_peer(dst, "dst")
+        ref = self._ref(tensor, "tensor", writable=False)
+        wire = self._check_tag(tag)
+        self.check_usable()
+        req = self.channel.isend(dst, wire, ref.bytes())
+        return _RequestWork(self, "send", req, dst, tensor)
+
+    def recv(self, tensor: Any, src: int | None, tag: int = 0) -> Work:
+        if src is not None:
+            self._check_peer(src, "src")
+        ref = self._ref(tensor, "tensor")
+        wire = self._check_tag(tag)
+        self.check_usable()
+        req = self.channel.irecv(src, wire, ref.bytes())
+        return _RequestWork(self, "recv", req, src, tensor)
+
+    def _check_peer(self, peer: Any, what: str) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise DistTypeError(f"{what} must be an int rank, got {type(peer).__name__}")
+        self._check_root(peer, what)
+        if peer == self._rank:
+            raise DistInputError(f"{what}={peer} is this rank; a rank cannot send to or receive from itself")
+
+    @staticmethod
+    def _check_tag(tag: Any) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_P2P_TAG:
+            raise DistInputError(f"tag must be an int in [0, {MAX_P2P_TAG}], got {tag!r}")
+        return p2p_tag(tag)
+
+
+class _RequestWork(Work):
+    """A Work that is a transport request (point-to-point), waited with the group timeout."""
+
+    def __init__(self, pg: ChannelProcessGroup, op: str, req: Request, peer: int | None, result: Any) -> None:
+        who = "any rank" if peer is None else f"rank {peer}"
+        super().__init__(op, pg.group_name, None, lambda: who)
+        self._pg = pg
+        self._req = req
+        self._value = result
+        self._waiting = threading.Lock()
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done.is_set():
+            seconds = self._pg.timeout if timeout is None else to_seconds(timeout)
+            with self._waiting:
+                if not self._done.is_set():
+                    self._wait_request(seconds, user_timeout=timeout is not None)
+        return super().wait(0)
+
+    def _wait_request(self, seconds: float, user_timeout: bool) -> None:
+        try:
+            self._req.wait(Deadline(seconds))
+        except DistTimeoutError:
+            if user_timeout:  # the caller's own limit: the operation goes on
+                raise DistTimeoutError(
+                    f"{self.op} on group {self.group!r} did not finish within {seconds:g} s; "
+                    f"it waits for {self._peers()}",
+                    op=self.op, group=self.group, timeout=seconds,
+                ) from None
+            self._finish(error=self._pg._failed(self.op, None, DistTimeoutError(
+                f"{self.op} waited {seconds:g} s for {self._peers()}", timeout=seconds)))
+        except BaseException as e:  # noqa: BLE001 - kept and re-raised through Work
+            self._finish(error=self._pg._failed(self.op, None, e))
+        else:
+            self._source = getattr(self._req, "source", None)
+            self._finish(self._value)
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._req.done():
+            self.wait()
+        return self._done.is_set()
+
+    def get_future(self):
+        fut = super().get_future()
+        if not self._done.is_set():
+            threading.Thread(target=self._resolve, daemon=True).start()
+        return fut
+
+    def _resolve(self) -> None:
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - delivered through the future
+            pass
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
+def _overlaps(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.nbytes > 0 and b.nbytes > 0 and np.shares_memory(a, b)
+
+
+def _pack(buf: np.ndarray, arrays: list[np.ndarray]) -> None:
+    pos = 0
+    for a in arrays:
+        buf[pos : pos + a.size] = a
+        pos += a.size
+
+
+def _unpack(buf: np.ndarray, arrays: list[np.ndarray]) -> None:
+    pos = 0
+    for a in arrays:
+        a[:] = buf[pos : pos + a.size]
+        pos += a.size

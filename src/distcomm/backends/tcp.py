@@ -1,0 +1,72 @@
+"""Backend ``tcp``: collectives over the TCP transport.
+
+The world group creates the process's :class:`~distcomm.transport.tcp.TcpTransport`
+(one listening socket, one progress thread); subgroups share it.  Rank 0
+draws a fresh job token for each initialisation and publishes it in the
+store, so connections from another job or an earlier initialisation are
+refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from ..backend_registry import Backend, BackendFactory
+from ..store import Store
+from ..store.tcp_client import TCPStore
+from ..transport.tcp import TcpTransport
+from .channel_group import ChannelProcessGroup
+
+__all__ = ["TcpProcessGroup", "TcpBackend"]
+
+_TOKEN_KEY = "tcp/job_token"
+
+
+class TcpProcessGroup(ChannelProcessGroup):
+    backend_name = "tcp"
+
+    def __init__(self, transport: TcpTransport, ranks: list[int], group_name: str, timeout: float) -> None:
+        self.transport = transport
+        super().__init__(transport.channel(group_id(group_name), ranks), group_name, timeout, ranks)
+
+    def connect_all(self) -> None:
+        """Open every connection of this group now instead of on first use."""
+        self.channel.connect_all()
+
+
+def group_id(name: str) -> int:
+    """The 64-bit id a group's frames carry on the wire."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
+
+
+def _master_host(store: Store) -> str | None:
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store.host if isinstance(store, TCPStore) else os.environ.get("MASTER_ADDR")
+
+
+class TcpBackend(BackendFactory):
+    def __init__(self) -> None:
+        super().__init__("tcp", None)  # type: ignore[arg-type]
+
+    def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None, **_: Any):
+        if rank == 0:
+            store.set(_TOKEN_KEY, os.urandom(16))
+        token = store.get(_TOKEN_KEY)
+        transport = TcpTransport(rank, size, store, token, timeout, _master_host(store))
+        if world is not None:
+            world.resources.append(transport)
+        pg = TcpProcessGroup(transport, list(range(size)), "default", timeout)
+        if os.environ.get("DISTCOMM_EAGER_CONNECT", "").lower() in ("1", "true", "yes"):
+            pg.connect_all()
+        return pg
+
+    def subgroup(self, world_pg: Any, store: Store, ranks: list[int], group_rank: int, name: str,
+                 timeout: float):
+        return TcpProcessGroup(world_pg.transport, ranks, name, timeout)
+
+
+Backend.register_backend("tcp", TcpBackend())
+Backend.register_alias("gloo", "tcp")

@@ -1,0 +1,32 @@
+"""``distcomm bench NAME [options]``: one sub-command per benchmark.
+
+Each benchmark registers here in :data:`BENCHMARKS` with the module that
+defines its ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+#: name -> (module, help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "store": (
+        "distcomm.bench.store",
+        "TCPStore set/get latency, throughput and rendezvous time (--compare torch)",
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one sub-parser per benchmark to ``distcomm bench``."""
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module, help_) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_bench_module=module)
+        importlib.import_module(module).add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; return its exit code."""
+    return int(importlib.import_module(args._bench_module).run(args) or 0)

@@ -1,0 +1,280 @@
+"""The collective and point-to-point functions, with torch.distributed's names.
+
+Each function resolves ``group`` (None: the default group), turns the
+global ranks it is given (``src``, ``dst``) into group ranks (or takes
+``group_src`` / ``group_dst`` directly), and calls the group.  A process
+that is not a member of ``group`` gets ``None`` back and nothing happens,
+as in torch.  With ``async_op=True`` the :class:`~distcomm.work.Work` is
+returned; otherwise the call blocks and returns None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .api import GroupMember, _group
+from .errors import DistInputError, DistTypeError
+from .group import ProcessGroup
+from .reduce_op import ReduceOp
+from .work import Work
+
+__all__ = [
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "P2POp",
+    "batch_isend_irecv",
+]
+
+
+def _member(group: ProcessGroup | None) -> ProcessGroup | None:
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return None
+    return _group(group)
+
+
+def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, what: str) -> int:
+    """Translate a global ``rank`` (or take ``group_rank``) into a rank of ``pg``."""
+    if rank is not None and group_rank is not None:
+        raise DistInputError(f"give {what} or group_{what}, not both")
+    if group_rank is not None:
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int):
+            raise DistTypeError(f"group_{what} must be an int, got {type(group_rank).__name__}")
+        if not 0 <= group_rank < pg.size():
+            raise DistInputError(f"group_{what}={group_rank} is not in [0, {pg.size()}) for this group")
+        return group_rank
+    if rank is None:
+        raise DistInputError(f"{what} is required (a global rank), or give group_{what}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise DistTypeError(f"{what} must be an int rank, got {type(rank).__name__}")
+    if rank not in pg.ranks:
+        raise DistInputError(
+            f"{what}={rank} is not a member of group {pg.group_name!r} (members: {pg.ranks})"
+        )
+    return pg.ranks.index(rank)
+
+
+def _ret(work: Work, async_op: bool) -> Work | None:
+    return work if async_op else None
+
+
+# -- collectives --------------------------------------------------------------------------------
+def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
+              async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Copy ``tensor`` from ``src`` into ``tensor`` on every rank."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    root = _group_rank(pg, src, group_src, "src")
+    return _ret(pg.broadcast(tensor, root, async_op), async_op)
+
+
+def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across ranks; every rank gets the result in place."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return _ret(pg.allreduce(tensor, op, async_op), async_op)
+
+
+def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
+           group: ProcessGroup | None = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """Reduce ``tensor`` across ranks into ``tensor`` on ``dst``."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    root = _group_rank(pg, dst, group_dst, "dst")
+    return _ret(pg.reduce(tensor, root, op, async_op), async_op)
+
+
+def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """Gather every rank's ``tensor`` into ``tensor_list`` on every rank."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return _ret(pg.allgather(tensor_list, tensor, async_op), async_op)
+
+
+def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,
+                           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Gather every rank's ``input_tensor`` into one ``output_tensor`` (size x input)."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return _ret(pg.allgather_into_tensor(output_tensor, input_tensor, async_op), async_op)
+
+
+all_gather_single = all_gather_into_tensor
+
+
+def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
+           group: ProcessGroup | None = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (others pass None)."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    if dst is None and group_dst is None:
+        dst = pg.ranks[0]
+    root = _group_rank(pg, dst, group_dst, "dst")
+    return _ret(pg.gather(tensor, gather_list, root, async_op), async_op)
+
+
+def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
+            group: ProcessGroup | None = None, async_op: bool = False,
+            group_src: int | None = None) -> Work | None:
+    """Give rank i ``scatter_list[i]`` from ``src`` (others pass None), into ``tensor``."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    if src is None and group_src is None:
+        src = pg.ranks[0]
+    root = _group_rank(pg, src, group_src, "src")
+    return _ret(pg.scatter(tensor, scatter_list, root, async_op), async_op)
+
+
+def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``input_list[i]`` across ranks into ``output`` on rank i."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return _ret(pg.reduce_scatter(output, input_list, op, async_op), async_op)
+
+
+def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
+                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``input`` (size x output) across ranks; rank i gets chunk i in ``output``."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return _ret(pg.reduce_scatter_tensor(output, input, op, async_op), async_op)
+
+
+reduce_scatter_single = reduce_scatter_tensor
+
+
+def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Rank i sends ``input_tensor_list[j]`` to rank j, which receives it as ``output_tensor_list[i]``."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return _ret(pg.alltoall(output_tensor_list, input_tensor_list, async_op), async_op)
+
+
+def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """``all_to_all`` on one tensor split along its first dimension (splits may be uneven)."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    work = pg.alltoall_single(output, input, output_split_sizes, input_split_sizes, async_op)
+    return _ret(work, async_op)
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False,
+            device_ids: Any = None) -> Work | None:
+    """Block until every rank of the group reached the barrier."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return _ret(pg.barrier(async_op), async_op)
+
+
+# -- point to point --------------------------------------------------------------------------
+def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work | None:
+    """Start sending ``tensor`` to ``dst``; returns a Work."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    return pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag)
+
+
+def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+          group_src: int | None = None) -> Work | None:
+    """Start receiving into ``tensor`` from ``src`` (None: any rank); returns a Work."""
+    pg = _member(group)
+    if pg is None:
+        return None
+    root = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    return pg.recv(tensor, root, tag)
+
+
+def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send ``tensor`` to ``dst`` and wait until it left."""
+    work = isend(tensor, dst, group, tag, group_dst)
+    if work is not None:
+        work.wait()
+
+
+def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into ``tensor`` from ``src`` (None: any rank); return the sender's global rank.
+
+    Returns -1 if this process is not a member of ``group``.
+    """
+    work = irecv(tensor, src, group, tag, group_src)
+    if work is None:
+        return -1
+    work.wait()
+    pg = _group(group)
+    return pg.ranks[work.source_rank()]
+
+
+class P2POp:
+    """One send or receive for :func:`batch_isend_irecv`: ``P2POp(isend, tensor, peer)``."""
+
+    def __init__(self, op: Any, tensor: Any, peer: int | None = None,
+                 group: ProcessGroup | None = None, tag: int = 0,
+                 group_peer: int | None = None) -> None:
+        if op not in (isend, irecv):
+            raise DistInputError("P2POp op must be distcomm.isend or distcomm.irecv")
+        if peer is None and group_peer is None:
+            raise DistInputError("P2POp needs peer (a global rank) or group_peer")
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
+    """Start every send and receive in the list; return their Works."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise DistTypeError("batch_isend_irecv takes a list of P2POp")
+    works = []
+    for p in p2p_op_list:
+        if p.op is isend:
+            w = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+        else:
+            w = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+        if w is not None:
+            works.append(w)
+    return works

@@ -1,0 +1,234 @@
+"""``ProcessGroup``: what every backend shares.
+
+A group runs its collectives one at a time, in the order they were issued:
+a blocking call with nothing in flight runs right in the caller's thread (no
+hand-off); otherwise it queues behind the others on the group's own worker
+thread, started on first need.  Every collective gets the group's next
+sequence number when it is issued, so all ranks agree on it.
+
+When an operation fails (a peer died, a deadline passed) the group is marked
+broken: its channel is aborted so peers stop waiting too, and every later
+call fails at once with the same cause.  Bad arguments are refused before
+anything is issued and leave the group usable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .deadline import Deadline
+from .errors import DistBackendError, DistError, DistTimeoutError
+from .work import Work
+
+__all__ = ["ProcessGroup"]
+
+Runner = Callable[[int, Deadline], Any]
+
+
+class _Serial:
+    """Runs callables one at a time, in submission order."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._mu = threading.Condition()
+        self._queue: deque[tuple[Callable[[], None], Work]] = deque()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def submit(self, job: Callable[[], None], work: Work, inline: bool) -> None:
+        with self._mu:
+            if self._stopped:
+                raise DistBackendError(f"process group {self._name!r} was destroyed")
+            if inline and not self._running and not self._queue:
+                self._running = True
+            else:
+                self._queue.append((job, work))
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._loop, name=f"distcomm-group:{self._name}", daemon=True
+                    )
+                    self._thread.start()
+                self._mu.notify_all()
+                return
+        try:
+            job()
+        finally:
+            with self._mu:
+                self._running = False
+                self._mu.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._mu:
+                while not self._stopped and (self._running or not self._queue):
+                    self._mu.wait()
+                if self._stopped and not self._queue:
+                    return
+                job, _ = self._queue.popleft()
+                self._running = True
+            try:
+                job()
+            finally:
+                with self._mu:
+                    self._running = False
+                    self._mu.notify_all()
+
+    def stop(self, error: BaseException, timeout: float = 10.0) -> None:
+        """Fail what is queued, stop the thread, join it."""
+        with self._mu:
+            self._stopped = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._mu.notify_all()
+            thread = self._thread
+        for _, work in pending:
+            work._finish(error=error)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+class ProcessGroup:
+    """A set of ranks that communicate; subclasses provide the operations.
+
+    ``rank()`` and ``size()`` are this process's rank in the group and the
+    group's size; ``ranks`` lists the group's members as global ranks.
+    """
+
+    backend_name = "undefined"
+
+    def __init__(self, rank: int, size: int, group_name: str, timeout: float, ranks: list[int]) -> None:
+        self._rank = rank
+        self._size = size
+        self.group_name = group_name
+        self.timeout = timeout
+        self.ranks = list(ranks)
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._serial = _Serial(group_name)
+        self._broken: BaseException | None = None
+        self._closed = False
+
+    # -- identity ------------------------------------------------------------------
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def name(self) -> str:
+        """The backend's name (as torch's ``ProcessGroup.name()``)."""
+        return self.backend_name
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.group_name!r} backend={self.backend_name} "
+            f"rank={self._rank}/{self._size}>"
+        )
+
+    # -- state ---------------------------------------------------------------------
+    def errored(self) -> BaseException | None:
+        """The error that broke the group, or None."""
+        return self._broken
+
+    def check_usable(self) -> None:
+        if self._closed:
+            raise DistBackendError(f"process group {self.group_name!r} was destroyed", group=self.group_name)
+        if self._broken is not None:
+            cause = self._broken
+            raise DistBackendError(
+                f"process group {self.group_name!r} is broken by an earlier failure: {cause}",
+                group=self.group_name,
+                peer=getattr(cause, "peer", None),
+                op=getattr(cause, "op", None),
+            ) from cause
+
+    def abort(self, cause: BaseException | None = None) -> None:
+        """Fail whatever is pending and mark the group broken.  Returns promptly."""
+        if cause is None:
+            cause = DistBackendError(f"process group {self.group_name!r} was aborted", group=self.group_name)
+        if self._broken is None:
+            self._broken = cause
+        self._abort_transport(cause)
+
+    def shutdown(self) -> None:
+        """Stop the worker thread and release what the group holds.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        destroyed = DistBackendError(f"process group {self.group_name!r} was destroyed")
+        self._cancel_pending(destroyed)  # an operation in flight ends now, not at its deadline
+        self._serial.stop(destroyed)
+        self._release()
+
+    # -- for subclasses ----------------------------------------------------------------
+    def _cancel_pending(self, cause: BaseException) -> None:
+        """Fail this process's pending requests of the group, peers untold (subclasses)."""
+
+    def _abort_transport(self, cause: BaseException) -> None:
+        """Make peers and pending requests give up (subclasses with a transport)."""
+
+    def _release(self) -> None:
+        """Release sockets, buffers, threads (subclasses)."""
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def _describe_peers(self) -> str:
+        return f"ranks {list(range(self._size))} of group {self.group_name!r}"
+
+    def _submit(self, op: str, run: Runner, async_op: bool, result: Any = None) -> Work:
+        """Issue collective ``op``; ``run(seq, deadline)`` does the work.
+
+        The Work's result is ``run``'s return value, or ``result`` if given.
+        """
+        self.check_usable()
+        seq = self._next_seq()
+        work = Work(op, self.group_name, seq, self._describe_peers)
+
+        def job() -> None:
+            if self._broken is not None or self._closed:
+                try:
+                    self.check_usable()
+                except DistError as e:
+                    work._finish(error=e)
+                return
+            try:
+                out = run(seq, Deadline(self.timeout))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                work._finish(error=self._failed(op, seq, e))
+                return
+            work._finish(result if result is not None else out)
+
+        self._serial.submit(job, work, inline=not async_op)
+        if not async_op:
+            work.wait()
+        return work
+
+    def _failed(self, op: str, seq: int | None, e: BaseException) -> BaseException:
+        """Turn a failure into the error users see, and break the group."""
+        what = op if seq is None else f"{op} (seq {seq})"
+        if isinstance(e, DistTimeoutError):
+            err: BaseException = DistTimeoutError(
+                f"{what} on group {self.group_name!r} timed out after "
+                f"{self.timeout:g} s: {e}",
+                op=op, seq=seq, group=self.group_name, timeout=self.timeout,
+                peer=getattr(e, "peer", None),
+            )
+        elif isinstance(e, DistBackendError):
+            err = DistBackendError(
+                f"{what} on group {self.group_name!r} failed on rank {self._rank}: {e}",
+                op=op, seq=seq, group=self.group_name, peer=getattr(e, "peer", None),
+                rank=self._rank,
+            )
+        else:
+            err = e
+        if err is not e:
+            err.__cause__ = e
+        self.abort(err)
+        return err

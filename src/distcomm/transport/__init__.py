@@ -1,0 +1,1 @@
+"""Transports: the Channel contract and its implementations (tcp, in-process)."""

@@ -1,0 +1,101 @@
+"""The ``Channel`` contract: point-to-point bytes between the ranks of one group.
+
+A channel belongs to one process group.  Ranks are the group's ranks.  Every
+message carries a *tag*; a receive matches a message by ``(source, tag)``
+(``source=None`` matches any source).  Messages with the same source and tag
+are matched in the order they were sent.
+
+Collectives build their tags from the group's sequence number and the step
+of the algorithm (:func:`collective_tag`), so two collectives can never take
+each other's messages; point-to-point tags are the user's (:func:`p2p_tag`).
+
+A send's buffer must stay alive and unchanged until its request completes;
+a receive writes straight into its buffer (no intermediate copy for large
+messages) and fails if the message has a different size.
+
+Requests are waited with a :class:`~distcomm.deadline.Deadline`.  A peer
+that dies makes every request involving it fail with
+:class:`~distcomm.errors.DistBackendError` naming the peer; a deadline that
+passes raises :class:`~distcomm.errors.DistTimeoutError`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from ..deadline import Deadline
+
+__all__ = ["Channel", "Request", "collective_tag", "p2p_tag", "wait_all", "MAX_P2P_TAG"]
+
+_COLLECTIVE = 1 << 62
+_SEQ_SHIFT = 24
+MAX_STEP = (1 << _SEQ_SHIFT) - 1
+MAX_P2P_TAG = (1 << 62) - 1
+
+
+def collective_tag(seq: int, step: int) -> int:
+    """Tag of message ``step`` of the collective with sequence number ``seq``."""
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"collective step {step} out of range [0, {MAX_STEP}]")
+    return _COLLECTIVE | ((seq & ((1 << 38) - 1)) << _SEQ_SHIFT) | step
+
+
+def p2p_tag(tag: int) -> int:
+    """Wire tag of a user's point-to-point tag (0 <= tag <= MAX_P2P_TAG)."""
+    if not 0 <= tag <= MAX_P2P_TAG:
+        raise ValueError(f"tag {tag} out of range [0, {MAX_P2P_TAG}]")
+    return tag
+
+
+class Request(ABC):
+    """One posted send or receive."""
+
+    #: For a receive: the group rank the message came from (set on completion).
+    source: int | None = None
+
+    @abstractmethod
+    def wait(self, deadline: Deadline) -> None:
+        """Block until done; raise the request's error, or a timeout at ``deadline``."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the request finished (successfully or not), without blocking."""
+
+
+class Channel(ABC):
+    """Point-to-point messages among the ``size`` ranks of one group."""
+
+    rank: int
+    size: int
+
+    @abstractmethod
+    def isend(self, dst: int, tag: int, data: memoryview) -> Request:
+        """Start sending ``data`` (a byte view) to group rank ``dst``."""
+
+    @abstractmethod
+    def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
+        """Start receiving exactly ``len(out)`` bytes from ``src`` (None: any rank)."""
+
+    def close(self) -> None:
+        """Release this channel (pending requests fail).  Idempotent."""
+        return None
+
+    def abort(self, cause: BaseException) -> None:
+        """Fail every pending request with ``cause``; the channel stays unusable."""
+        return None
+
+    def cancel(self, cause: BaseException) -> None:
+        """Fail this rank's pending receives and unsent large sends with ``cause``,
+        without telling peers (the group is being destroyed).  Buffers stay valid."""
+        return None
+
+
+def wait_all(requests: Iterable[Request], deadline: Deadline) -> None:
+    """Wait for every request in turn; the first error is raised at once.
+
+    After an error the caller's group is broken and its channel aborted, which
+    fails the requests still pending.
+    """
+    for r in requests:
+        r.wait(deadline)

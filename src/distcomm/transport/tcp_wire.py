@@ -1,0 +1,84 @@
+"""Wire format of the TCP transport, and which address a process publishes.
+
+Handshake (the connecting process speaks first, the other answers in kind)::
+
+    b"DCTP"  u16 version  u16 reserved  16-byte job token  u32 process rank   (28 bytes)
+
+The job token is fresh for every ``init_process_group``; a connection from
+another job, or from before a re-initialisation, is refused.  Frames::
+
+    u8 kind  u64 group  u64 tag  u64 nbytes   (25 bytes)   [+ nbytes of payload for DATA]
+
+``kind`` is DATA, RTS, RTR (see :mod:`.matching`), ABORT or BYE.  ABORT
+tells the peer that ``group`` failed on the sender; its payload is the
+reason (UTF-8), and ``tag`` carries the process rank that was lost, or
+``2**64-1``.  BYE says the sender is closing on purpose: the end of the
+connection that follows is not a failure (unless something still waited on
+that peer).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+
+from ..errors import DistInputError
+
+MAGIC = b"DCTP"
+VERSION = 1
+HELLO = struct.Struct(">4sHH16sI")
+HEADER = struct.Struct(">BQQQ")
+DATA, RTS, RTR, ABORT, BYE = 1, 2, 3, 4, 5
+NO_RANK = 2**64 - 1
+
+#: Environment variables naming the interface to publish (first one set wins).
+IFNAME_VARS = ("DISTCOMM_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+#: Environment variable naming the address (or host name) to publish outright.
+HOST_VAR = "DISTCOMM_HOSTNAME"
+
+
+def interface_address(name: str) -> str:
+    """IPv4 address of network interface ``name`` (Linux)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            known = ", ".join(n for _, n in socket.if_nameindex())
+            raise DistInputError(
+                f"network interface {name!r} has no IPv4 address or does not exist; "
+                f"interfaces here: {known}",
+                variable=name,
+            ) from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_address(master: str | None) -> str:
+    """The local address this host uses to reach ``master`` (loopback if unknown)."""
+    if not master:
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(master, 1, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def publish_address(master: str | None) -> str:
+    """The address peers should connect to: chosen by environment, else routed.
+
+    ``DISTCOMM_HOSTNAME`` wins; then the interface named by
+    ``DISTCOMM_SOCKET_IFNAME`` (or ``GLOO_SOCKET_IFNAME``); then the address
+    this host uses to reach the master (so a job on one host stays on loopback).
+    """
+    host = os.environ.get(HOST_VAR)
+    if host:
+        return host
+    for var in IFNAME_VARS:
+        name = os.environ.get(var)
+        if name:
+            return interface_address(name.split(",")[0].strip())
+    return route_address(master)

@@ -1,0 +1,116 @@
+"""``Work``: the handle of one operation, with the behaviour of a future.
+
+``wait(timeout=None)`` blocks until the operation finished and raises its
+error; with a timeout it raises :class:`~distcomm.errors.DistTimeoutError`
+naming the operation and the ranks it involved.  ``get_future()`` gives a
+:class:`concurrent.futures.Future` resolved with the operation's result.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from .deadline import Timeout, to_seconds
+from .errors import DistInputError, DistTimeoutError
+
+__all__ = ["Work"]
+
+
+class Work:
+    """One collective or point-to-point operation in flight."""
+
+    def __init__(self, op: str, group: str, seq: int | None, peers: Callable[[], str]) -> None:
+        self.op = op
+        self.group = group
+        self.seq = seq
+        self._peers = peers
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._result: Any = None
+        self._source: int | None = None
+        self._future: Future | None = None
+        self._lock = threading.Lock()
+
+    # -- completion (called by the group) --------------------------------------
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._result, self._error = result, error
+            self._done.set()
+            future = self._future
+        if future is not None:
+            _resolve(future, result, error)
+
+    # -- the public surface -------------------------------------------------------
+    def wait(self, timeout: Timeout | None = None) -> bool:
+        """Block until done; raise the operation's error.  Returns True (as torch)."""
+        seconds = None if timeout is None else to_seconds(timeout)
+        if not self._done.wait(seconds):
+            where = f" (seq {self.seq})" if self.seq is not None else ""
+            raise DistTimeoutError(
+                f"{self.op}{where} on group {self.group!r} did not finish within {seconds:g} s; "
+                f"it involves {self._peers()}",
+                op=self.op,
+                group=self.group,
+                seq=self.seq,
+                timeout=seconds,
+            )
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the operation finished, successfully or not."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """Whether the operation finished without an error."""
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """The operation's error, or None (does not wait)."""
+        return self._error
+
+    def result(self) -> Any:
+        """Wait, then return the operation's outputs."""
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        """For a receive from any rank: the rank the message came from."""
+        self.wait()
+        if self._source is None:
+            raise DistInputError(f"{self.op} is not a receive; it has no source rank")
+        return self._source
+
+    def get_future(self) -> Future:
+        """A ``concurrent.futures.Future`` resolved with the result (or the error)."""
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+                self._future.set_running_or_notify_cancel()
+                if self._done.is_set():
+                    _resolve(self._future, self._result, self._error)
+            return self._future
+
+    def __repr__(self) -> str:
+        state = "done" if self.is_completed() else "pending"
+        return f"<Work {self.op} seq={self.seq} group={self.group!r} {state}>"
+
+
+def _resolve(future: Future, result: Any, error: BaseException | None) -> None:
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def completed(op: str, group: str, result: Any = None) -> Work:
+    """A Work already finished (world size 1, empty operations)."""
+    w = Work(op, group, None, lambda: "no other rank")
+    w._finish(result)
+    return w

@@ -1,0 +1,139 @@
+"""Bad use gives a one-line error before anything is sent, and the group goes on working.
+
+In ranks: each bad call is made by one rank alone, then every rank makes a good
+collective (see collective_cases.run_bad_inputs).  In this process: calls before
+init_process_group, initialising twice, unknown and GPU-only backends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from collective_cases import BACKENDS, Report, run_bad_inputs, run_recv_size_mismatch
+
+import distcomm as dist
+from distcomm.errors import DistInputError
+from distcomm.testing import free_port, run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def url(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
+
+
+def check_reports(reports: list[Report]) -> None:
+    failures = [f for r in reports for f in r.failures]
+    assert not failures, f"{len(failures)} problems:\n" + "\n".join(failures[:60])
+    assert sum(r.cases for r in reports) > 2 * reports[0].extra["calls"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_refused_before_anything_is_sent(backend, world_size):
+    check_reports(run_ranks(run_bad_inputs, world_size, backend, free_port(), timeout=120))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recv_of_the_wrong_size_names_the_sender(backend):
+    result = run_ranks(run_recv_size_mismatch, 2, backend, free_port(), timeout=45)[0]
+    assert result["error"] is not None, "a 4-element receive accepted a 5-element message"
+    assert "rank 1" in result["error"] and "\n" not in result["error"]
+    assert "40" in result["error"] and "32" in result["error"], result["error"]  # both sizes, in bytes
+    assert result["peer"] == 1
+    assert result["seconds"] < 10
+
+
+# -- in this process ----------------------------------------------------------------------
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: dist.all_reduce(np.zeros(2)),
+        lambda: dist.broadcast(np.zeros(2), src=0),
+        lambda: dist.barrier(),
+        lambda: dist.send(np.zeros(1), dst=0),
+        lambda: dist.get_rank(),
+        lambda: dist.get_world_size(),
+        lambda: dist.get_backend(),
+        lambda: dist.new_group([0]),
+        lambda: dist.get_process_group_ranks(None),
+    ],
+    ids=["all_reduce", "broadcast", "barrier", "send", "get_rank", "get_world_size", "get_backend",
+         "new_group", "get_process_group_ranks"],
+)
+def test_calls_before_init_say_what_to_do(call):
+    assert not dist.is_initialized()
+    with pytest.raises(dist.DistError) as info:
+        call()
+    assert "init_process_group" in one_line(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_initialising_twice_is_refused_and_the_group_keeps_working(backend):
+    dist.init_process_group(backend, init_method=url(free_port()), rank=0, world_size=1, timeout=30)
+    try:
+        with pytest.raises(DistInputError) as info:
+            dist.init_process_group(backend, init_method=url(free_port()), rank=0, world_size=1)
+        assert "destroy_process_group" in one_line(info.value)
+        t = np.arange(3.0)
+        dist.all_reduce(t)
+        assert t.tolist() == [0.0, 1.0, 2.0]
+        assert dist.is_initialized() and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
+def test_nccl_says_distcomm_has_no_gpus():
+    with pytest.raises(DistInputError) as info:
+        dist.init_process_group("nccl", init_method=url(free_port()), rank=0, world_size=1)
+    text = one_line(info.value)
+    assert "nccl" in text and "CUDA" in text and "gloo" in text
+    assert not dist.is_initialized()
+
+
+def test_unknown_backend_lists_the_available_ones():
+    with pytest.raises(DistInputError) as info:
+        dist.init_process_group("no-such-backend", init_method=url(free_port()), rank=0, world_size=1)
+    text = one_line(info.value)
+    assert "no-such-backend" in text and "tcp" in text
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 0}, "world_size"),
+        ({"rank": "0", "world_size": 1}, "int"),
+        ({"rank": 0, "world_size": 1, "store": dist.HashStore()}, "not both"),
+        ({"rank": 0, "world_size": 1, "timeout": -1}, "timeout"),
+    ],
+    ids=["rank-out-of-range", "world-size-zero", "rank-not-int", "store-and-url", "negative-timeout"],
+)
+def test_bad_init_arguments(kwargs, word):
+    with pytest.raises(dist.DistError) as info:
+        dist.init_process_group("tcp", init_method=url(free_port()), **kwargs)
+    assert word in one_line(info.value)
+    assert not dist.is_initialized()
+
+
+def test_backend_strings_torch_accepts():
+    """"gloo" and torch's "cpu:gloo,cuda:nccl" select distcomm's CPU backend."""
+    for name in ("gloo", "cpu:gloo,cuda:nccl", "GLOO"):
+        dist.init_process_group(name, init_method=url(free_port()), rank=0, world_size=1, timeout=30)
+        try:
+            assert dist.get_backend() == "tcp"
+            t = np.ones(2)
+            dist.all_reduce(t)
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""A rank that dies mid-operation: every survivor gets a DistBackendError naming it, fast.
+
+The group timeout is 60 s; survivors must hear of the death in well under 10 s,
+and every later call on the broken group must fail at once with the same
+cause.  A subgroup without the dead rank keeps working, and destroy_process_group
+afterwards returns promptly and leaves no threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+from collective_cases import BACKENDS, run_peer_failure
+
+from distcomm.testing import free_port, run_ranks
+
+SCENARIOS = [
+    # (world size, victim, how it dies, when)
+    (2, 1, "exit", "before"),
+    (3, 0, "sigkill", "during"),  # rank 0 also hosts the store
+    (4, 2, "exit", "during"),
+    (5, 4, "sigkill", "before"),
+    (3, 1, "sigkill", "p2p"),
+    (5, 0, "exit", "during"),
+]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("world_size", "victim", "how", "when"), SCENARIOS,
+                         ids=[f"ws{w}-victim{v}-{h}-{t}" for w, v, h, t in SCENARIOS])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_peer_fails_every_survivor_fast(backend, world_size, victim, how, when):
+    results = run_ranks(run_peer_failure, world_size, backend, free_port(), victim, how, when,
+                        timeout=75)
+    assert results[victim]["victim_exit"] == (-9 if how == "sigkill" else 17)
+    problems = []
+    for rank, r in enumerate(results):
+        if rank == victim:
+            continue
+        if r["error"] is None:
+            problems.append(f"rank {rank}: no error although rank {victim} died")
+            continue
+        if r["type"] != "DistBackendError" or r["peer"] != victim or f"rank {victim}" not in r["error"]:
+            problems.append(f"rank {rank}: {r['type']} peer={r['peer']}: {r['error']}")
+        if r["seconds"] >= 10:
+            problems.append(f"rank {rank}: the failure took {r['seconds']:.1f} s to show")
+        if "\n" in r["error"]:
+            problems.append(f"rank {rank}: the error spans lines: {r['error']!r}")
+        for text, peer, seconds in r["later"]:
+            if "broken" not in text or peer != victim or seconds > 1:
+                problems.append(f"rank {rank}: a later call gave {text!r} (peer {peer}) after {seconds:.2f} s")
+        if r["subgroup"] is not True:
+            problems.append(f"rank {rank}: the survivors' subgroup failed: {r['subgroup']}")
+        if r["destroy_seconds"] > 10:
+            problems.append(f"rank {rank}: destroy_process_group took {r['destroy_seconds']:.1f} s")
+        if not r["threads_back"]:
+            problems.append(f"rank {rank}: threads left after destroy_process_group")
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,96 @@
+"""destroy_process_group: re-initialising, leftovers, pending work.
+
+In this process the autouse leak checker (conftest.py) sees every thread and
+socket; inside ranks, run_reinit compares threads and sockets with the count
+before the first init.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from collective_cases import (
+    BACKENDS,
+    Report,
+    run_destroy_pending,
+    run_first_contact_after_rank0_left,
+    run_reinit,
+    run_send_then_destroy,
+    socket_count,
+    wait_for,
+)
+
+import distcomm as dist
+from distcomm.testing import free_port, run_ranks
+
+
+def check_reports(reports: list[Report]) -> None:
+    failures = [f for r in reports for f in r.failures]
+    assert not failures, f"{len(failures)} problems:\n" + "\n".join(failures[:40])
+    assert all(r.cases > 0 for r in reports)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reinit_in_this_process(backend):
+    """World size 1 in the test process: same port three times, then new ports."""
+    first = free_port()
+    threads, sockets = threading.active_count(), socket_count()
+    for cycle, port in enumerate([first, first, first, free_port(), free_port()]):
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, timeout=30)
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        t = np.full(3, cycle, np.int64)
+        dist.all_reduce(t)
+        g = dist.new_group([0])
+        dist.broadcast(t, src=0, group=g)
+        dist.barrier()
+        assert t.tolist() == [cycle] * 3
+        dist.destroy_process_group()
+        assert not dist.is_initialized()
+        assert dist.GroupMember.WORLD is None
+        assert wait_for(lambda: threading.active_count() == threads), threading.enumerate()
+        assert wait_for(lambda: socket_count() == sockets)
+    dist.destroy_process_group()  # nothing initialised: a no-op
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reinit_in_ranks(backend, world_size, tmp_path):
+    port = free_port()
+    ports = [port, port, port, free_port(), free_port()]
+    check_reports(run_ranks(run_reinit, world_size, backend, ports, str(tmp_path), timeout=100))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_destroy_with_pending_work(backend, world_size, tmp_path):
+    reports = run_ranks(run_destroy_pending, world_size, backend, free_port(), str(tmp_path), timeout=45)
+    check_reports(reports)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("connected", [True, False], ids=["connected", "not-yet-connected"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_messages_sent_before_destroy_are_delivered(backend, connected):
+    result = run_ranks(run_send_then_destroy, 2, backend, free_port(), connected, timeout=45)[0]
+    assert result == ([0, 1, 2, 3], True)
+
+
+# KNOWN BUG (tcp backend, reported): a rank looks a peer's address up in the store the first
+# time it needs that peer, and the store is hosted by rank 0; once rank 0 has destroyed its
+# group, two ranks that had not talked yet cannot connect ("cannot connect to rank 2: store
+# wait: ... the store server closed the connection").  The same race makes a final barrier
+# before destroy_process_group fail now and then at world size >= 5.  Fixing it means taking
+# every rank's address at init (as gloo connects its full mesh there); remove the xfail then.
+@pytest.mark.xfail(strict=True, reason="tcp: first contact needs rank 0's store (known bug)")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_contact_after_rank_0_left(backend, tmp_path):
+    results = run_ranks(run_first_contact_after_rank0_left, 3, backend, free_port(), str(tmp_path),
+                        timeout=45)
+    assert results[1:] == [[0, 1, 2], [0, 1, 2]]
