@@ -84,14 +84,7 @@ def init(rank: int, world_size: int, backend: str, port: int, timeout: float = G
 
 @contextmanager
 def process_group(rank: int, world_size: int, backend: str, port: int, **kwargs: Any):
-    """The default group for the body; barriers and destroy_process_group after it.
-
-    Two barriers, not one: a rank that meets a peer for the first time looks
-    its address up in the store, which rank 0 hosts and closes when it
-    destroys its group.  After the second barrier every pair the barriers use
-    is connected, so nobody needs the store once rank 0 has left.  (One barrier
-    is enough in principle; see test_teardown.test_first_contact_after_rank_0_left.)
-    """
+    """The default group for the body; a barrier and destroy_process_group after it."""
     init(rank, world_size, backend, port, **kwargs)
     ok = False
     try:
@@ -99,7 +92,6 @@ def process_group(rank: int, world_size: int, backend: str, port: int, **kwargs:
         ok = True
     finally:
         if ok:
-            dist.barrier()
             dist.barrier()
         dist.destroy_process_group()
 
@@ -305,7 +297,7 @@ class Report:
             return
         if got_arr.tobytes() != np.ascontiguousarray(want).tobytes():
             bad = np.flatnonzero(got_arr.reshape(-1).view(np.uint8) != want.reshape(-1).view(np.uint8))
-            self.fail(f"{case}: bytes differ from byte {bad[0]} on ({bad.size} bytes wrong); "
+            self.fail(f"{case}: {bad.size} bytes differ, the first at byte {bad[0]}; "
                       f"got {got_arr.reshape(-1)[:4]}..., expected {want.reshape(-1)[:4]}...")
 
     def reduced(self, case: str, got: Any, want: np.ndarray, dtype: str, world_size: int) -> None:
@@ -831,12 +823,14 @@ def run_async(rank: int, world_size: int, backend: str, port: int) -> Report:
             done = threading.Event()
             fut = w.get_future()
             fut.add_done_callback(lambda _f: done.set())
+            for r in range(1, ws):  # now the others may join
+                dist.send(np.ones(1, np.int8), dst=r, tag=77)
             w.wait()  # the op went on despite the short wait above
             rep.cases += 1
             if not done.wait(5) or fut.result() is not x:
                 rep.fail("get_future() done callback did not run with the result")
         else:
-            time.sleep(0.5)
+            dist.recv(np.zeros(1, np.int8), src=0, tag=77)
             dist.all_reduce(x)
         rep.exact("late all_reduce", x, np.full(3, ws * (ws + 1) // 2, np.int64))
     return rep
@@ -1557,11 +1551,7 @@ def run_recv_size_mismatch(rank: int, world_size: int, backend: str, port: int) 
 
 
 def _one_cycle(rep: Report, rank: int, ws: int, cycle: int) -> None:
-    """A few collectives, a subgroup and point-to-point traffic in one initialisation.
-
-    It starts with an all_to_all, so each rank has met every peer before rank 0
-    can leave (see process_group).
-    """
+    """A few collectives, a subgroup and point-to-point traffic in one initialisation."""
     out = np.zeros(ws, np.int64)
     dist.all_to_all_single(out, np.full(ws, rank, np.int64))
     rep.exact(f"cycle {cycle} all_to_all_single", out, np.arange(ws, dtype=np.int64))
@@ -1636,6 +1626,7 @@ def run_destroy_pending(rank: int, world_size: int, backend: str, port: int, dir
     stuck = []
     if rank == 0:
         stuck.append(("subgroup all_reduce", dist.all_reduce(np.zeros(3), group=g, async_op=True)))
+        time.sleep(0.2)  # running on the group's worker thread by now
         t0 = time.monotonic()
         dist.destroy_process_group(g)
         took = time.monotonic() - t0
@@ -1645,6 +1636,7 @@ def run_destroy_pending(rank: int, world_size: int, backend: str, port: int, dir
     rep.exact("default group after a subgroup was destroyed under an operation", t, np.full(2, ws, np.int64))
     if rank == 0:
         stuck.append(("all_reduce", dist.all_reduce(np.zeros(3), async_op=True)))
+        time.sleep(0.2)  # running on the group's worker thread by now
         t0 = time.monotonic()
         dist.destroy_process_group()
         took = time.monotonic() - t0
@@ -1696,7 +1688,7 @@ def _victim(rank: int, ws: int, backend: str, port: int, how: str, when: str) ->
     if when == "during":  # dies with its part of a large all_reduce on the wire
         dist.all_reduce(np.ones(FAILURE_ELEMENTS, np.float32), async_op=True)
         time.sleep(0.05)
-    else:  # "before" and "p2p": the others are already waiting for it
+    else:  # "before", "late" and "p2p": the others are already waiting for it
         time.sleep(0.3)
     _die(how)
 
@@ -1732,7 +1724,13 @@ def run_peer_failure(rank: int, world_size: int, backend: str, port: int, victim
         sub = _warm_up(rank, ws, survivors)
         t0 = time.monotonic()
         try:
-            if when == "p2p":
+            if when == "late" and rank == survivors[-1]:
+                # Joins after the others gave up on the group, waiting for a live survivor
+                # that will never send: their earlier give-up must still reach this receive.
+                time.sleep(2.0)
+                t0 = time.monotonic()
+                dist.recv(np.zeros(8, np.int64), src=survivors[0])
+            elif when == "p2p":
                 buf = np.zeros(8, np.int64)
                 if rank % 2:
                     dist.recv(buf)  # any source
@@ -1803,6 +1801,7 @@ def run_first_contact_after_rank0_left(rank: int, world_size: int, backend: str,
                                        directory: str) -> Any:
     """Rank 0 destroys its group; ranks 1 and 2, which never talked, then exchange a message."""
     init(rank, world_size, backend, port, timeout=10)
+    file_barrier(directory, "initialised", rank, world_size)
     if rank == 0:
         dist.destroy_process_group()
         open(os.path.join(directory, "rank0-left"), "w").close()

@@ -21,6 +21,7 @@ SCENARIOS = [
     (5, 4, "sigkill", "before"),
     (3, 1, "sigkill", "p2p"),
     (5, 0, "exit", "during"),
+    (4, 3, "exit", "late"),  # the last survivor waits on a live survivor that gave up earlier
 ]
 
 

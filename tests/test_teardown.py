@@ -81,13 +81,8 @@ def test_messages_sent_before_destroy_are_delivered(backend, connected):
     assert result == ([0, 1, 2, 3], True)
 
 
-# KNOWN BUG (tcp backend, reported): a rank looks a peer's address up in the store the first
-# time it needs that peer, and the store is hosted by rank 0; once rank 0 has destroyed its
-# group, two ranks that had not talked yet cannot connect ("cannot connect to rank 2: store
-# wait: ... the store server closed the connection").  The same race makes a final barrier
-# before destroy_process_group fail now and then at world size >= 5.  Fixing it means taking
-# every rank's address at init (as gloo connects its full mesh there); remove the xfail then.
-@pytest.mark.xfail(strict=True, reason="tcp: first contact needs rank 0's store (known bug)")
+# Rank 0 hosts the store; once it has left, ranks that never talked must still connect
+# (found as a flaky final barrier at world size 8; fixed by learning addresses at init).
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_first_contact_after_rank_0_left(backend, tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 
 from .deadline import Timeout, to_seconds
 from .errors import DistInputError, DistTimeoutError
+from .transport.matching import _Flag
 
 __all__ = ["Work"]
 
@@ -27,7 +28,7 @@ class Work:
         self.group = group
         self.seq = seq
         self._peers = peers
-        self._done = threading.Event()
+        self._done = _Flag()
         self._error: BaseException | None = None
         self._result: Any = None
         self._source: int | None = None

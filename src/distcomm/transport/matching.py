@@ -34,23 +34,68 @@ EAGER_BYTES = 64 * 1024
 Key = tuple[int, int]  # (group id, tag)
 
 
+class _Flag:
+    """A one-shot event on a bare lock: cheaper to create than ``threading.Event``."""
+
+    __slots__ = ("_lock", "_set", "_token")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+        self._token = [True]
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def claim(self) -> bool:
+        """True for the first caller only (list.pop is atomic)."""
+        try:
+            return self._token.pop()
+        except IndexError:
+            return False
+
+    def release(self) -> None:
+        """Mark set and wake waiters; only after a successful :meth:`claim`."""
+        self._set = True
+        self._lock.release()
+
+    def set(self) -> None:
+        if self.claim():
+            self.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._lock.release()  # let other waiters through too
+            return True
+        return self._set
+
+
 class _Done(Request):
     """Completion shared by sends and receives: an event, an error, a description."""
 
+    #: Optional ``helper(request, deadline)`` run by :meth:`wait` before blocking:
+    #: the transport uses it to read the peer's socket in the waiting thread.
+    helper: Callable[[_Done, Deadline], None] | None = None
+
     def __init__(self, describe: Callable[[], str]) -> None:
-        self._event = threading.Event()
+        self._event = _Flag()
         self.error: BaseException | None = None
         self._describe = describe
 
     def complete(self, error: BaseException | None = None) -> None:
-        if not self._event.is_set():
+        if self._event.claim():
             self.error = error
-            self._event.set()
+            self._event.release()
 
     def done(self) -> bool:
         return self._event.is_set()
 
     def wait(self, deadline: Deadline) -> None:
+        if self.helper is not None and not self._event.is_set():
+            self.helper(self, deadline)
         if not self._event.wait(deadline.remaining()):
             raise DistTimeoutError(
                 f"timed out after {deadline.seconds:g} s {self._describe()}",

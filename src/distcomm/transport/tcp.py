@@ -44,7 +44,11 @@ ADDRESS_PREFETCH_MAX = 1024
 #: A published address that refuses connections this long belongs to a process that left.
 REFUSED_GIVE_UP = 2.0
 _HDR = w.HEADER.size
-_EPOLLIN = select.EPOLLIN | select.EPOLLRDHUP
+_EPOLLIN = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+#: A waiting thread reading a socket itself polls this long at a time (s).
+_HELP_POLL = 0.05
+#: ... and when another thread reads it, checks back this often (s).
+_HELP_RETRY = 0.002
 #: How long a writer thread waits for a socket to become writable before rechecking state.
 _WRITER_POLL_MS = 500
 #: Most seconds close() waits for queued frames to leave (peers that must still connect).
@@ -76,6 +80,8 @@ class _Peer:
         self.out: deque[_Out] = deque()
         self.wlock = threading.Lock()
         self.wcond = threading.Condition(self.wlock)
+        self.rlock = threading.Lock()  # whoever reads the socket holds it
+        self.poller: select.poll | None = None
         self.stalled = False  # the kernel refused bytes: the writer thread takes over
         self.writer: threading.Thread | None = None
         self.grants: dict[tuple[int, int], int] = {}
@@ -170,6 +176,7 @@ class TcpTransport:
         self, peer: int, group: int, tag: int, view: memoryview, members: Mapping[int, int]
     ) -> SendRequest:
         req = SendRequest(peer, group, tag, view, lambda: f"sending to rank {members[peer]}")
+        req.helper = self._help
         n = len(view)
         with self._mu:
             p, connect = self._peer(peer)
@@ -200,6 +207,8 @@ class TcpTransport:
             return f"waiting for {who} to send {len(view)} bytes (tag {tag:#x})"
 
         req = RecvRequest(peer, group, tag, view, members, describe)
+        if peer is not None:
+            req.helper = self._help
         to_connect: list[_Peer] = []
         with self._mu:
             if group in self._aborted:  # a member gave up on the group: nothing more will come
@@ -400,6 +409,8 @@ class TcpTransport:
                 sock.close()
                 return
             p.sock = sock
+            p.poller = select.poll()
+            p.poller.register(sock.fileno(), select.POLLIN)
             self._fds[sock.fileno()] = p
             p.state = "up"
             self._ep.register(sock.fileno(), _EPOLLIN)
@@ -500,8 +511,13 @@ class TcpTransport:
                         p = self._fds.get(fd)
                         if p is None:
                             continue
-                        if ev & (_EPOLLIN | select.EPOLLERR | select.EPOLLHUP):
-                            self._read(p)
+                        if p.rlock.acquire(blocking=False):
+                            try:
+                                self._read(p)
+                            finally:
+                                p.rlock.release()
+                            self._rearm(p)
+                        # else a waiting thread reads it and re-arms it when done
         except Exception:  # pragma: no cover - a bug: fail loudly, not silently
             log.exception("distcomm TCP progress thread crashed")
             with self._mu:
@@ -695,11 +711,44 @@ class TcpTransport:
                 self._wake_w.send(b"r")  # the progress thread reads on its next turn
             except OSError:
                 pass
-            if p.sock is not None:
-                try:
-                    self._ep.modify(p.sock.fileno(), _EPOLLIN)
-                except (OSError, ValueError):
-                    pass
+            self._rearm(p)
+
+    def _rearm(self, p: _Peer) -> None:
+        """Let the progress thread hear about ``p``'s socket again (one-shot epoll)."""
+        sock = p.sock
+        if sock is not None and p.state == "up" and not p.paused:
+            try:
+                self._ep.modify(sock.fileno(), _EPOLLIN)
+            except (OSError, ValueError):
+                pass
+
+    def _help(self, req: Request, deadline: Deadline) -> None:
+        """Read the peer's socket in the waiting thread until ``req`` is done.
+
+        Saves the hand-off through the progress thread (two thread wake-ups
+        per message).  Only one thread reads a socket at a time; if another
+        holds it, or the peer is not connected yet, wait for the event instead.
+        """
+        p = self._peers.get(req.peer)  # type: ignore[attr-defined]
+        if p is None:
+            return
+        while not req.done() and not deadline.expired() and not self._closed:
+            if p.state != "up" or not p.rlock.acquire(blocking=False):
+                if p.state == "dead":
+                    return
+                req._event.wait(min(_HELP_RETRY, deadline.remaining()))  # type: ignore[attr-defined]
+                continue
+            try:
+                poller = p.poller
+                while not req.done() and p.state == "up" and poller is not None:
+                    left = deadline.remaining()
+                    if left <= 0:
+                        break
+                    if poller.poll(min(left, _HELP_POLL) * 1000):
+                        self._read(p)
+            finally:
+                p.rlock.release()
+                self._rearm(p)
 
     # -- failure ---------------------------------------------------------------------
     def _lost_async(self, p: _Peer, e: BaseException) -> None:
