@@ -7,6 +7,7 @@ an implementation module.
 """
 
 from . import backends as _backends  # noqa: F401 - registers the built-in backends
+from . import functional
 from .api import (
     GroupMember,
     default_pg_timeout,
@@ -56,7 +57,6 @@ from .errors import (
     DistStoreError,
     DistTimeoutError,
 )
-from . import functional
 from .group import ProcessGroup
 from .object_collectives import (
     all_gather_object,

@@ -497,7 +497,7 @@ class TcpTransport:
         lfd, wfd = self._listener.fileno(), self._wake_r.fileno()
         try:
             while not self._closed:
-                for fd, ev in self._ep.poll():
+                for fd, _ev in self._ep.poll():
                     if fd == lfd:
                         self._accept(hello)
                     elif fd == wfd:
