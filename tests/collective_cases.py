@@ -33,6 +33,7 @@ import numpy as np
 
 import distcomm as dist
 from distcomm.errors import DistInputError, DistTypeError
+from distcomm.testing import RankFailedError, free_port, run_ranks
 
 #: Every backend the suite runs over (later: "shm", "auto", "mpi").
 BACKENDS = ["tcp"]
@@ -94,6 +95,31 @@ def process_group(rank: int, world_size: int, backend: str, port: int, **kwargs:
         if ok:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, backend: str, *args: Any, timeout: float,
+              env: dict[str, str] | None = None, attempts: int = 3) -> list:
+    """``run_ranks(fn, world_size, backend, port, *args)`` on a fresh port.
+
+    On a busy machine another process may take the port between free_port()
+    and rank 0 binding it; only that failure is retried, on a new port.
+    """
+    for attempt in range(attempts):
+        try:
+            return run_ranks(fn, world_size, backend, free_port(), *args, timeout=timeout, env=env)
+        except RankFailedError as e:
+            first = str(e).splitlines()[0]
+            clash = "cannot start the store server" in first and "in use" in first
+            if not clash or attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def attempt_dir(directory: str, port: int) -> str:
+    """A directory of its own for each attempt of run_world (markers of a failed one stay)."""
+    path = os.path.join(directory, str(port))
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def socket_count() -> int:
@@ -1574,8 +1600,9 @@ def _one_cycle(rep: Report, rank: int, ws: int, cycle: int) -> None:
         rep.exact(f"cycle {cycle} ring", buf, np.full(2, (rank - 1) % ws, np.int32))
 
 
-def run_reinit(rank: int, world_size: int, backend: str, ports: list[int], directory: str) -> Report:
-    """init / work / destroy_process_group, again and again, on the same port and on new ones.
+def run_reinit(rank: int, world_size: int, backend: str, port: int, directory: str) -> Report:
+    """init / work / destroy_process_group five times: three times on the same port, then
+    on new ones (rank 0 picks each and broadcasts it in the cycle before).
 
     After each destroy this process must be back to the threads and sockets it
     had before the first init.  Odd cycles destroy right after the last
@@ -1583,14 +1610,20 @@ def run_reinit(rank: int, world_size: int, backend: str, ports: list[int], direc
     """
     rep = Report(rank)
     ws = world_size
+    directory = attempt_dir(directory, port)
     base_threads, base_sockets = threading.active_count(), socket_count()
-    for cycle, port in enumerate(ports):
-        if rank == 0 and cycle and port == ports[cycle - 1]:  # the store's port is free again
+    ports = [port]
+    for cycle in range(5):
+        port = ports[-1]
+        if rank == 0 and cycle in (1, 2):  # the store's port is free again
             _check(rep, wait_for(lambda port=port: port_is_free(port), 10),
                    f"cycle {cycle}: port {port} still taken after every rank destroyed")
         init(rank, ws, backend, port)
         _check(rep, dist.is_initialized() and dist.get_rank() == rank, f"cycle {cycle}: not initialised")
         _one_cycle(rep, rank, ws, cycle)
+        following = np.array([free_port() if rank == 0 and cycle >= 2 else port], np.int64)
+        dist.broadcast(following, src=0)
+        ports.append(int(following[0]))
         if cycle % 2 == 0:
             dist.barrier()
         dist.destroy_process_group()
@@ -1605,6 +1638,7 @@ def run_reinit(rank: int, world_size: int, backend: str, ports: list[int], direc
         _check(rep, wait_for(lambda: socket_count() == base_sockets),
                f"cycle {cycle}: {socket_count()} sockets open after destroy, {base_sockets} before init")
         file_barrier(directory, f"destroyed-{cycle}", rank, ws)  # nobody re-inits into the old store
+    rep.extra["ports"] = ports[:5]
     return rep
 
 
@@ -1615,6 +1649,7 @@ def run_destroy_pending(rank: int, world_size: int, backend: str, port: int, dir
     connected), first on a subgroup, then on the default group, and destroys
     the group under them.
     """
+    directory = attempt_dir(directory, port)
     rep = Report(rank)
     ws = world_size
     base_threads = threading.active_count()
@@ -1724,12 +1759,18 @@ def run_peer_failure(rank: int, world_size: int, backend: str, port: int, victim
         sub = _warm_up(rank, ws, survivors)
         t0 = time.monotonic()
         try:
-            if when == "late" and rank == survivors[-1]:
-                # Joins after the others gave up on the group, waiting for a live survivor
-                # that will never send: their earlier give-up must still reach this receive.
-                time.sleep(2.0)
-                t0 = time.monotonic()
-                dist.recv(np.zeros(8, np.int64), src=survivors[0])
+            if when == "late":
+                # The first survivor waits for the victim, then would pass the message on to
+                # the last survivor, which posts its receive only after the first gave up:
+                # that earlier give-up must still reach the later receive.
+                buf = np.zeros(8, np.int64)
+                if rank == survivors[-1]:
+                    time.sleep(2.0)
+                    t0 = time.monotonic()
+                    dist.recv(buf, src=survivors[0])
+                else:
+                    dist.recv(buf, src=victim)
+                    dist.send(buf, dst=survivors[-1])
             elif when == "p2p":
                 buf = np.zeros(8, np.int64)
                 if rank % 2:
@@ -1800,6 +1841,7 @@ def run_send_then_destroy(rank: int, world_size: int, backend: str, port: int, c
 def run_first_contact_after_rank0_left(rank: int, world_size: int, backend: str, port: int,
                                        directory: str) -> Any:
     """Rank 0 destroys its group; ranks 1 and 2, which never talked, then exchange a message."""
+    directory = attempt_dir(directory, port)
     init(rank, world_size, backend, port, timeout=10)
     file_barrier(directory, "initialised", rank, world_size)
     if rank == 0:
@@ -1818,5 +1860,38 @@ def run_first_contact_after_rank0_left(rank: int, world_size: int, backend: str,
         return buf.tolist()
     except dist.DistError as e:
         return f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def run_death_before_first_contact(rank: int, world_size: int, backend: str, port: int, victim: int,
+                                   directory: str) -> Any:
+    """Rank ``victim`` dies right after init, before any rank talked to it; then rank 0 receives
+    from it and the last rank sends to it.  Both must fail fast, naming it.  Connections are
+    lazy here, so nobody has talked to the victim before it died."""
+    os.environ["DISTCOMM_EAGER_CONNECT"] = "0"
+    directory = attempt_dir(directory, port)
+    if rank == victim:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                init(rank, world_size, backend, port, timeout=6)
+                file_barrier(directory, "initialised", rank, world_size)
+            finally:
+                os._exit(17)
+        os.waitpid(pid, 0)
+        return None
+    init(rank, world_size, backend, port, timeout=6)  # short: the bug waits for it
+    file_barrier(directory, "initialised", rank, world_size)
+    time.sleep(0.5)  # the victim is gone by now
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            dist.recv(np.zeros(2, np.int64), src=victim)
+        else:
+            dist.send(np.zeros(2, np.int64), dst=victim)
+        return "no error"
+    except dist.DistError as e:
+        return type(e).__name__, e.peer, time.monotonic() - t0, str(e)
     finally:
         dist.destroy_process_group()

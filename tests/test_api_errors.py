@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from collective_cases import BACKENDS, Report, run_bad_inputs, run_recv_size_mismatch
+from collective_cases import BACKENDS, Report, run_bad_inputs, run_recv_size_mismatch, run_world
 
 import distcomm as dist
 from distcomm.errors import DistInputError
-from distcomm.testing import free_port, run_ranks
+from distcomm.testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,12 +32,12 @@ def check_reports(reports: list[Report]) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_is_refused_before_anything_is_sent(backend, world_size):
-    check_reports(run_ranks(run_bad_inputs, world_size, backend, free_port(), timeout=120))
+    check_reports(run_world(run_bad_inputs, world_size, backend, timeout=120))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_recv_of_the_wrong_size_names_the_sender(backend):
-    result = run_ranks(run_recv_size_mismatch, 2, backend, free_port(), timeout=45)[0]
+    result = run_world(run_recv_size_mismatch, 2, backend, timeout=45)[0]
     assert result["error"] is not None, "a 4-element receive accepted a 5-element message"
     assert "rank 1" in result["error"] and "\n" not in result["error"]
     assert "40" in result["error"] and "32" in result["error"], result["error"]  # both sizes, in bytes

@@ -21,9 +21,8 @@ from collective_cases import (
     run_collective,
     run_forced_algorithm,
     run_torch,
+    run_world,
 )
-
-from distcomm.testing import free_port, run_ranks
 
 
 def check_reports(reports: list[Report], min_cases: int = 1) -> None:
@@ -42,8 +41,7 @@ def check_reports(reports: list[Report], min_cases: int = 1) -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_collective(backend, world_size, collective):
-    reports = run_ranks(run_collective, world_size, backend, free_port(), collective,
-                        timeout=RUN_TIMEOUT)
+    reports = run_world(run_collective, world_size, backend, collective, timeout=RUN_TIMEOUT)
     check_reports(reports)
 
 
@@ -52,8 +50,7 @@ def test_collective(backend, world_size, collective):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_collective_big_world(backend, collective):
     """World size 8 (more ranks than cores) over a smaller grid."""
-    reports = run_ranks(run_collective, BIG_WORLD, backend, free_port(), collective, True,
-                        timeout=RUN_TIMEOUT)
+    reports = run_world(run_collective, BIG_WORLD, backend, collective, True, timeout=RUN_TIMEOUT)
     check_reports(reports)
 
 
@@ -67,8 +64,7 @@ def test_collective_big_world(backend, collective):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forced_algorithm(backend, variable, algorithm):
     """Each algorithm a collective can choose, forced on every rank, at an odd world size."""
-    reports = run_ranks(run_forced_algorithm, 5, backend, free_port(),
-                        env={variable: algorithm}, timeout=60)
+    reports = run_world(run_forced_algorithm, 5, backend, env={variable: algorithm}, timeout=60)
     check_reports(reports)
 
 
@@ -76,7 +72,7 @@ def test_forced_algorithm(backend, variable, algorithm):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_async_ops_in_flight(backend, world_size):
-    reports = run_ranks(run_async, world_size, backend, free_port(), timeout=60)
+    reports = run_world(run_async, world_size, backend, timeout=60)
     check_reports(reports)
 
 
@@ -86,5 +82,5 @@ def test_async_ops_in_flight(backend, world_size):
 def test_torch_tensors(backend, world_size):
     """CPU torch tensors, bfloat16 included, in place; the docs' worked examples at 2 and 4 ranks."""
     pytest.importorskip("torch")
-    reports = run_ranks(run_torch, world_size, backend, free_port(), timeout=120)
+    reports = run_world(run_torch, world_size, backend, timeout=120)
     check_reports(reports, min_cases=40)

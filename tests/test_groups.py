@@ -4,9 +4,7 @@ new_subgroups_by_enumeration, split_group, rank translation, use_local_synchroni
 from __future__ import annotations
 
 import pytest
-from collective_cases import BACKENDS, BIG_WORLD, Report, run_groups
-
-from distcomm.testing import free_port, run_ranks
+from collective_cases import BACKENDS, BIG_WORLD, Report, run_groups, run_world
 
 
 def check_reports(reports: list[Report]) -> None:
@@ -19,4 +17,4 @@ def check_reports(reports: list[Report]) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, BIG_WORLD])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_groups(backend, world_size):
-    check_reports(run_ranks(run_groups, world_size, backend, free_port(), timeout=90))
+    check_reports(run_world(run_groups, world_size, backend, timeout=90))

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from collective_cases import BACKENDS, BIG_WORLD, Report, run_p2p
-
-from distcomm.testing import free_port, run_ranks
+from collective_cases import BACKENDS, BIG_WORLD, Report, run_p2p, run_world
 
 
 def check_reports(reports: list[Report]) -> None:
@@ -18,4 +16,4 @@ def check_reports(reports: list[Report]) -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, BIG_WORLD])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_point_to_point(backend, world_size):
-    check_reports(run_ranks(run_p2p, world_size, backend, free_port(), timeout=90))
+    check_reports(run_world(run_p2p, world_size, backend, timeout=90))

@@ -9,9 +9,7 @@ afterwards returns promptly and leaves no threads.
 from __future__ import annotations
 
 import pytest
-from collective_cases import BACKENDS, run_peer_failure
-
-from distcomm.testing import free_port, run_ranks
+from collective_cases import BACKENDS, run_death_before_first_contact, run_peer_failure, run_world
 
 SCENARIOS = [
     # (world size, victim, how it dies, when)
@@ -21,7 +19,7 @@ SCENARIOS = [
     (5, 4, "sigkill", "before"),
     (3, 1, "sigkill", "p2p"),
     (5, 0, "exit", "during"),
-    (4, 3, "exit", "late"),  # the last survivor waits on a live survivor that gave up earlier
+    (3, 2, "exit", "late"),  # the last survivor waits on a live survivor that gave up earlier
 ]
 
 
@@ -30,8 +28,7 @@ SCENARIOS = [
                          ids=[f"ws{w}-victim{v}-{h}-{t}" for w, v, h, t in SCENARIOS])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dead_peer_fails_every_survivor_fast(backend, world_size, victim, how, when):
-    results = run_ranks(run_peer_failure, world_size, backend, free_port(), victim, how, when,
-                        timeout=75)
+    results = run_world(run_peer_failure, world_size, backend, victim, how, when, timeout=75)
     assert results[victim]["victim_exit"] == (-9 if how == "sigkill" else 17)
     problems = []
     for rank, r in enumerate(results):
@@ -56,3 +53,16 @@ def test_dead_peer_fails_every_survivor_fast(backend, world_size, victim, how, w
         if not r["threads_back"]:
             problems.append(f"rank {rank}: threads left after destroy_process_group")
     assert not problems, "\n".join(problems)
+
+
+# Connections are made lazily here (DISTCOMM_EAGER_CONNECT=0, set in the rank function): of
+# two ranks the higher one waits for the lower one to connect, so the higher one must notice
+# by itself that the lower one's process is gone (it probes the lower rank's listener).
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_death_before_first_contact(backend, tmp_path):
+    results = run_world(run_death_before_first_contact, 3, backend, 1, str(tmp_path), timeout=45)
+    for rank in (0, 2):
+        kind, peer, seconds, text = results[rank]
+        assert kind == "DistBackendError" and peer == 1 and "rank 1" in text, results[rank]
+        assert seconds < 4, f"rank {rank} heard of rank 1's death after {seconds:.1f} s (timeout 6 s)"

@@ -193,7 +193,12 @@ def test_a_dist_error_keeps_its_facts():
     assert (cause.key, cause.op, cause.rank) == ("k", "get", info.value.rank)
 
 
-def test_several_failing_ranks_are_all_mentioned():
+def test_several_failing_ranks_are_all_mentioned(monkeypatch):
+    import distcomm.testing.ranks as ranks_module
+
+    # Ranks start at different times on a busy machine: widen the window in
+    # which later failures are collected so the test does not depend on timing.
+    monkeypatch.setattr(ranks_module, "FAILURE_GRACE", 20.0)
     with pytest.raises(RankFailedError) as info:
         run_ranks(all_fail, 3)
     text = str(info.value)

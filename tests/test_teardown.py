@@ -18,12 +18,13 @@ from collective_cases import (
     run_first_contact_after_rank0_left,
     run_reinit,
     run_send_then_destroy,
+    run_world,
     socket_count,
     wait_for,
 )
 
 import distcomm as dist
-from distcomm.testing import free_port, run_ranks
+from distcomm.testing import free_port
 
 
 def check_reports(reports: list[Report]) -> None:
@@ -60,16 +61,17 @@ def test_reinit_in_this_process(backend):
 @pytest.mark.parametrize("world_size", [2, 3, 5])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reinit_in_ranks(backend, world_size, tmp_path):
-    port = free_port()
-    ports = [port, port, port, free_port(), free_port()]
-    check_reports(run_ranks(run_reinit, world_size, backend, ports, str(tmp_path), timeout=100))
+    reports = run_world(run_reinit, world_size, backend, str(tmp_path), timeout=100)
+    check_reports(reports)
+    ports = reports[0].extra["ports"]
+    assert ports[0] == ports[1] == ports[2] and len(set(ports)) == 3, ports
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_destroy_with_pending_work(backend, world_size, tmp_path):
-    reports = run_ranks(run_destroy_pending, world_size, backend, free_port(), str(tmp_path), timeout=45)
+    reports = run_world(run_destroy_pending, world_size, backend, str(tmp_path), timeout=45)
     check_reports(reports)
 
 
@@ -77,7 +79,7 @@ def test_destroy_with_pending_work(backend, world_size, tmp_path):
 @pytest.mark.parametrize("connected", [True, False], ids=["connected", "not-yet-connected"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_messages_sent_before_destroy_are_delivered(backend, connected):
-    result = run_ranks(run_send_then_destroy, 2, backend, free_port(), connected, timeout=45)[0]
+    result = run_world(run_send_then_destroy, 2, backend, connected, timeout=45)[0]
     assert result == ([0, 1, 2, 3], True)
 
 
@@ -86,6 +88,5 @@ def test_messages_sent_before_destroy_are_delivered(backend, connected):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_first_contact_after_rank_0_left(backend, tmp_path):
-    results = run_ranks(run_first_contact_after_rank0_left, 3, backend, free_port(), str(tmp_path),
-                        timeout=45)
+    results = run_world(run_first_contact_after_rank0_left, 3, backend, str(tmp_path), timeout=45)
     assert results[1:] == [[0, 1, 2], [0, 1, 2]]

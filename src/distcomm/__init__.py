@@ -53,9 +53,11 @@ from .collectives import (
 from .errors import (
     DistBackendError,
     DistError,
+    DistInputError,
     DistNetworkError,
     DistStoreError,
     DistTimeoutError,
+    DistTypeError,
 )
 from .group import ProcessGroup
 from .object_collectives import (
@@ -77,9 +79,11 @@ __all__ = [
     "Backend",
     "DistBackendError",
     "DistError",
+    "DistInputError",
     "DistNetworkError",
     "DistStoreError",
     "DistTimeoutError",
+    "DistTypeError",
     "FileStore",
     "GroupMember",
     "HashStore",

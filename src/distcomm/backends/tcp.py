@@ -41,6 +41,20 @@ def group_id(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
 
 
+#: Worlds up to this size connect every pair at initialisation (as gloo does);
+#: larger ones connect pairs on first use.  DISTCOMM_EAGER_CONNECT=1/0 decides.
+EAGER_CONNECT_MAX = 64
+
+
+def _eager(size: int) -> bool:
+    setting = os.environ.get("DISTCOMM_EAGER_CONNECT", "").strip().lower()
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    if setting in ("0", "false", "no", "off"):
+        return False
+    return size <= EAGER_CONNECT_MAX
+
+
 def _master_host(store: Store) -> str | None:
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
@@ -59,7 +73,7 @@ class TcpBackend(BackendFactory):
         if world is not None:
             world.resources.append(transport)
         pg = TcpProcessGroup(transport, list(range(size)), "default", timeout)
-        if os.environ.get("DISTCOMM_EAGER_CONNECT", "").lower() in ("1", "true", "yes"):
+        if _eager(size):
             pg.connect_all()
         return pg
 

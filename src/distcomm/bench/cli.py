@@ -15,6 +15,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "distcomm.bench.store",
         "TCPStore set/get latency, throughput and rendezvous time (--compare torch)",
     ),
+    "collectives": (
+        "distcomm.bench.collectives",
+        "time per call of each collective, 8 B to 64 MiB (--compare torch, --compare mpi)",
+    ),
 }
 
 

@@ -38,6 +38,8 @@ __all__ = ["TcpTransport", "TcpChannel"]
 log = logging.getLogger("distcomm.transport")
 
 _STAGING = 256 * 1024  # bytes read per recv when parsing frames
+_COPY_BYTES = 4096  # payloads up to this size are copied behind their header
+_SOCK_BUF = int(__import__("os").environ.get("DISTCOMM_SOCK_BUF", "0"))
 EARLY_BUDGET = 64 * 1024 * 1024  # early (unmatched) bytes kept before reading pauses
 #: Worlds up to this size learn every peer's address at initialisation.
 ADDRESS_PREFETCH_MAX = 1024
@@ -45,6 +47,8 @@ ADDRESS_PREFETCH_MAX = 1024
 REFUSED_GIVE_UP = 2.0
 _HDR = w.HEADER.size
 _EPOLLIN = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+#: A rank waiting this long (s) for a lower rank to connect checks that it is alive.
+_PROBE_AFTER = 1.0
 #: A waiting thread reading a socket itself polls this long at a time (s).
 _HELP_POLL = 0.05
 #: ... and when another thread reads it, checks back this often (s).
@@ -187,8 +191,10 @@ class TcpTransport:
             granted = p.grants.get(key, 0)
             if granted:
                 p.grants[key] = granted - 1
-            if n <= EAGER_BYTES:  # copied: done once the kernel has it
+            if n <= _COPY_BYTES:  # tiny: one buffer, one write
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n) + view, None, req))
+            elif n <= EAGER_BYTES:  # done once the kernel has it
+                self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n), view, req))
             elif granted:
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n), view, req))
             else:
@@ -404,6 +410,12 @@ class TcpTransport:
 
     def _attach(self, p: _Peer, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if _SOCK_BUF:
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+                except OSError:
+                    pass
         with self._mu:
             if self._closed or p.state == "dead":
                 sock.close()
@@ -559,8 +571,11 @@ class TcpTransport:
         try:
             if not chunk:
                 raise DistNetworkError("closed during the handshake")
-            magic, version, _, token, rank = w.HELLO.unpack(bytes(buf))
+            magic, version, flags, token, rank = w.HELLO.unpack(bytes(buf))
             _check_hello(bytes(buf), self._token, None)
+            if flags & w.PROBE:  # a higher rank checking that we are alive
+                sock.close()
+                return
             if not 0 <= rank < self.rank:
                 raise DistNetworkError(f"unexpected rank {rank} connecting to rank {self.rank}")
             sock.setblocking(True)
@@ -659,7 +674,7 @@ class TcpTransport:
         with self._mu:
             req = self._matcher.take_for_data(p.rank, group, tag)
         if req is not None and len(req.view) == nbytes:
-            self._start_body(p, req.view, lambda _data: req.complete())
+            self._start_body(p, req.view, lambda _data: req.complete(), req)
             return
         if req is not None:
             req.complete(_size_mismatch(req, nbytes))
@@ -679,19 +694,21 @@ class TcpTransport:
 
         self._start_body(p, target, early)
 
-    def _start_body(self, p: _Peer, target, done) -> None:
-        """Receive a payload into ``target``: first what is staged, then straight from the socket."""
+    def _start_body(self, p: _Peer, target, done, req: RecvRequest | None = None) -> None:
+        """Receive a payload into ``target``: first what is staged, then straight from the socket.
+
+        ``req`` is the posted receive being filled, failed if the connection ends first."""
         view = target if isinstance(target, memoryview) else memoryview(target)
         staged = min(len(view), p.rhave - p.rpos)
         if staged:
             view[:staged] = p.rview[p.rpos : p.rpos + staged]
             p.rpos += staged
-        p.body, p.body_pos, p.body_done = view, staged, (done, target)
+        p.body, p.body_pos, p.body_done = view, staged, (done, target, req)
         if staged == len(view):
             self._body_complete(p)
 
     def _body_complete(self, p: _Peer) -> None:
-        done, target = p.body_done
+        done, target, _ = p.body_done
         p.body, p.body_done = None, None
         done(target)
 
@@ -732,10 +749,14 @@ class TcpTransport:
         p = self._peers.get(req.peer)  # type: ignore[attr-defined]
         if p is None:
             return
+        since = time.monotonic()
         while not req.done() and not deadline.expired() and not self._closed:
             if p.state != "up" or not p.rlock.acquire(blocking=False):
                 if p.state == "dead":
                     return
+                if p.state == "awaiting" and time.monotonic() - since > _PROBE_AFTER:
+                    since = time.monotonic()
+                    self._probe(p)
                 req._event.wait(min(_HELP_RETRY, deadline.remaining()))  # type: ignore[attr-defined]
                 continue
             try:
@@ -749,6 +770,28 @@ class TcpTransport:
             finally:
                 p.rlock.release()
                 self._rearm(p)
+
+    def _probe(self, p: _Peer) -> None:
+        """Is the lower rank we wait for still there?  Its listener answers if so.
+
+        A refused connection to its published address means its process is
+        gone: everything waiting on it fails now instead of at the deadline.
+        """
+        addr = self._addrs.get(p.rank)
+        if addr is None:
+            return
+        host, _, port = addr.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=2) as sock:
+                sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, w.PROBE, self._token, self.rank))
+        except ConnectionRefusedError:
+            with self._mu:
+                self._lost(p, DistBackendError(
+                    f"rank {p.rank} never connected and no longer listens at {addr}: "
+                    "its process exited", peer=p.rank,
+                ))
+        except OSError:
+            pass  # unreachable for now: not a proof of death
 
     # -- failure ---------------------------------------------------------------------
     def _lost_async(self, p: _Peer, e: BaseException) -> None:
@@ -781,8 +824,11 @@ class TcpTransport:
             for req in queue:
                 req.complete(error)
         p.waiting.clear()
-        if p.body_done is not None:
+        if p.body_done is not None:  # a payload cut off mid-way: its receive fails
+            filling = p.body_done[2]
             p.body, p.body_done = None, None
+            if filling is not None:
+                filling.complete(error)
         if sock is not None:
             self._fds.pop(sock.fileno(), None)
             try:

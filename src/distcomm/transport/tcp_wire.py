@@ -4,7 +4,9 @@ Handshake (the connecting process speaks first, the other answers in kind)::
 
     b"DCTP"  u16 version  u16 reserved  16-byte job token  u32 process rank   (28 bytes)
 
-The job token is fresh for every ``init_process_group``; a connection from
+The reserved field carries flags: PROBE (1) means "only checking that you are
+alive" (the listener closes it at once).  The job token is fresh for every
+``init_process_group``; a connection from
 another job, or from before a re-initialisation, is refused.  Frames::
 
     u8 kind  u64 group  u64 tag  u64 nbytes   (25 bytes)   [+ nbytes of payload for DATA]
@@ -31,6 +33,8 @@ VERSION = 1
 HELLO = struct.Struct(">4sHH16sI")
 HEADER = struct.Struct(">BQQQ")
 DATA, RTS, RTR, ABORT, BYE = 1, 2, 3, 4, 5
+#: Handshake flag: only checking that the listener is alive; close at once.
+PROBE = 1
 NO_RANK = 2**64 - 1
 
 #: Environment variables naming the interface to publish (first one set wins).

@@ -1,0 +1,241 @@
+"""What the ranks of ``distcomm bench collectives`` run (see :mod:`.collectives`).
+
+Every function here is a handler ``f(conn, *args)`` (the protocol of
+:mod:`._procs`): it runs in a rank process and answers ``("done", result)``
+on ``conn``.  The distcomm and torch ranks are :mod:`._procs` helpers; the
+MPI ranks run the same handlers from :mod:`._coll_mpi` under ``mpirun``.
+A process only ever holds one library's group.
+
+The libraries are reached through small adapters (:data:`LIBS`) that bind
+a collective to its buffers once, so the timed call is one Python call into
+the library's own function (``dist.all_reduce(x)``,
+``comm.Allreduce(IN_PLACE, x)``) and nothing else.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from datetime import timedelta
+from functools import partial
+from multiprocessing import connection
+from typing import Any
+
+from ._coll_ops import Workload, build
+
+#: Calls before the first RSS sample of the memory phase.
+RSS_WARMUP = 100
+
+
+class _Distcomm:
+    name = "distcomm"
+
+    def load(self) -> None:
+        import distcomm  # noqa: F401
+
+    def setup(self, rank: int, size: int, url: str, timeout: float) -> None:
+        import distcomm as dc
+
+        dc.init_process_group("tcp", init_method=url, rank=rank, world_size=size, timeout=timeout)
+        self.dc = dc
+
+    def teardown(self) -> None:
+        self.dc.destroy_process_group()
+
+    def barrier(self) -> None:
+        self.dc.barrier()
+
+    def bind(self, w: Workload) -> Any:
+        dc = self.dc
+        return {
+            "all_reduce": partial(dc.all_reduce, w.inp),
+            "broadcast": partial(dc.broadcast, w.inp, 0),
+            "reduce": partial(dc.reduce, w.inp, 0),
+            "all_gather_into_tensor": partial(dc.all_gather_into_tensor, w.out, w.inp),
+            "reduce_scatter_tensor": partial(dc.reduce_scatter_tensor, w.out, w.inp),
+            "all_to_all_single": partial(dc.all_to_all_single, w.out, w.inp),
+        }[w.op]
+
+
+class _Torch:
+    name = "torch"
+
+    def load(self) -> None:
+        import torch.distributed  # noqa: F401
+
+    def setup(self, rank: int, size: int, url: str, timeout: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=url, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout))
+        self.dist = dist
+        self.torch = torch
+
+    def teardown(self) -> None:
+        self.dist.destroy_process_group()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def bind(self, w: Workload) -> Any:
+        dist, t = self.dist, self.torch.from_numpy
+        inp, out = t(w.inp), t(w.out)  # views of the same memory: the check reads the result
+        # torch 2.13 deprecates the *_tensor names (a FutureWarning) for the *_single ones
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        return {
+            "all_reduce": partial(dist.all_reduce, inp),
+            "broadcast": partial(dist.broadcast, inp, 0),
+            "reduce": partial(dist.reduce, inp, 0),
+            "all_gather_into_tensor": partial(gather, out, inp),
+            "reduce_scatter_tensor": partial(scatter, out, inp),
+            "all_to_all_single": partial(dist.all_to_all_single, out, inp),
+        }[w.op]
+
+
+class _Mpi:
+    name = "mpi"
+
+    def load(self) -> None:
+        from mpi4py import MPI  # noqa: F401
+
+    def setup(self, rank: int, size: int, url: str, timeout: float) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        if (self.comm.rank, self.comm.size) != (rank, size):
+            raise RuntimeError(f"mpirun made rank {self.comm.rank} of {self.comm.size}, "
+                               f"expected {rank} of {size}")
+
+    def teardown(self) -> None:
+        pass  # MPI_Finalize runs at exit
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def bind(self, w: Workload) -> Any:
+        c, MPI = self.comm, self.MPI
+        if w.op == "reduce":
+            if c.rank == 0:
+                return partial(c.Reduce, MPI.IN_PLACE, w.inp, MPI.SUM, 0)
+            return partial(c.Reduce, w.inp, None, MPI.SUM, 0)
+        return {
+            "all_reduce": partial(c.Allreduce, MPI.IN_PLACE, w.inp),
+            "broadcast": partial(c.Bcast, w.inp, 0),
+            "all_gather_into_tensor": partial(c.Allgather, w.inp, w.out),
+            "reduce_scatter_tensor": partial(c.Reduce_scatter_block, w.inp, w.out),
+            "all_to_all_single": partial(c.Alltoall, w.inp, w.out),
+        }[w.op]
+
+
+LIBS: dict[str, Any] = {"distcomm": _Distcomm(), "torch": _Torch(), "mpi": _Mpi()}
+_state: dict[str, Any] = {}
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (``/proc/self/statm``; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# -- handlers -------------------------------------------------------------------------------
+
+
+def prepare(conn: connection.Connection, lib: str) -> None:
+    """Import the library now, so no measurement pays for it."""
+    LIBS[lib].load()
+    conn.send(("done", None))
+
+
+def setup(conn: connection.Connection, lib: str, rank: int, size: int, url: str,
+          timeout: float) -> None:
+    """Create the library's world group; answers this process's pid."""
+    LIBS[lib].setup(rank, size, url, timeout)
+    _state.update(lib=lib, rank=rank, size=size)
+    conn.send(("done", {"pid": os.getpid(), "rank": rank}))
+
+
+def teardown(conn: connection.Connection, lib: str) -> None:
+    if _state.pop("lib", None) == lib:
+        LIBS[lib].teardown()
+    conn.send(("done", None))
+
+
+def measure(conn: connection.Connection, lib: str, op: str, nbytes: int, dtype: str,
+            iters: int, warmup: int) -> None:
+    """Time ``iters`` calls of ``op`` (after ``warmup``), checking every result.
+
+    Answers ``{"times": [s per call], "wrong": k, "first_wrong": text | None,
+    "warmup_wrong": k, "count": elements, "nbytes": bytes}``.
+    """
+    adapter = LIBS[lib]
+    rank, size = _state["rank"], _state["size"]
+    w = build(op, nbytes, dtype, rank, size)
+    call = adapter.bind(w)
+    check, reset = w.check, w.reset
+    warm_wrong = 0
+    for _ in range(warmup):
+        call()
+        warm_wrong += check() is not None
+        reset()
+    times = [0.0] * iters
+    wrong, first = 0, None
+    clock = time.perf_counter
+    adapter.barrier()
+    for k in range(iters):
+        t0 = clock()
+        call()
+        t1 = clock()
+        times[k] = t1 - t0
+        bad = check()
+        if bad is not None:
+            wrong += 1
+            first = first or f"iteration {k}: {bad}"
+        reset()
+    adapter.barrier()
+    result = {"times": times, "wrong": wrong, "first_wrong": first, "warmup_wrong": warm_wrong,
+              "count": w.count, "nbytes": w.count * w.inp.itemsize}
+    del call, w, check, reset
+    gc.collect()
+    conn.send(("done", result))
+
+
+def rss(conn: connection.Connection, lib: str, calls: int, nbytes: int, samples: int) -> None:
+    """RSS before and after ``calls`` small ``all_reduce`` calls, and ``samples`` points between.
+
+    Answers ``{"initial": b, "before": b, "after": b, "samples": [(call, b)],
+    "wrong": k, "first_wrong": text | None}``; ``before`` is taken after
+    :data:`RSS_WARMUP` calls (one-time allocations), ``initial`` before any.
+    """
+    adapter = LIBS[lib]
+    w = build("all_reduce", nbytes, "float32", _state["rank"], _state["size"])
+    call, check, reset = adapter.bind(w), w.check, w.reset
+    initial = rss_bytes()
+    for _ in range(RSS_WARMUP):
+        call()
+        reset()
+    adapter.barrier()
+    before = rss_bytes()
+    every = max(1, calls // max(1, samples))
+    points: list[tuple[int, int]] = [(0, before)]
+    wrong, first = 0, None
+    for k in range(1, calls + 1):
+        call()
+        bad = check()
+        if bad is not None:
+            wrong += 1
+            first = first or f"call {k}: {bad}"
+        reset()
+        if k % every == 0 or k == calls:
+            points.append((k, rss_bytes()))
+    adapter.barrier()
+    after = rss_bytes()
+    conn.send(("done", {"initial": initial, "before": before, "after": after,
+                        "samples": points, "wrong": wrong, "first_wrong": first,
+                        "nbytes": w.count * w.inp.itemsize}))
