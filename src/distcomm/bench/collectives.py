@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._args import positive
 from ._coll_mpi import MpiJob, mpi_missing
 from ._coll_ops import (
     DEFAULT_OPS,
@@ -513,24 +514,11 @@ def _iters(text: str) -> tuple[int | None, float]:
     raise argparse.ArgumentTypeError(f"--iters is auto, a count, or xF (scales auto), got {text!r}")
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-        return v
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench collectives``."""
     d = CollBenchConfig()
     parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="distcomm backend (default: tcp)")
-    parser.add_argument("-n", "--nproc", type=_positive(int), default=d.world_size,
+    parser.add_argument("-n", "--nproc", type=positive(int), default=d.world_size,
                         help=f"ranks per library (default: {d.world_size})")
     parser.add_argument("--compare", action="append", choices=["torch", "mpi"], default=[],
                         help="also run torch.distributed (gloo) or mpi4py under mpirun, interleaved; repeatable")
@@ -544,14 +532,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls per size: auto (2000 at 8 B to 4 at 64 MiB), N for every size, "
                              "or xF to scale auto (default: auto)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: iters/10, 2-50)")
-    parser.add_argument("--repeat", type=_positive(int), default=d.repeat,
+    parser.add_argument("--repeat", type=positive(int), default=d.repeat,
                         help=f"interleaved repetitions; medians are reported (default: {d.repeat})")
     parser.add_argument("--phases", type=_phases, default=d.phases, metavar="P,P",
                         help="timing and/or rss (default: both)")
     parser.add_argument("--rss", action="store_true", help="only the rss phase (same as --phases rss)")
-    parser.add_argument("--rss-calls", type=_positive(int), default=d.rss_calls,
+    parser.add_argument("--rss-calls", type=positive(int), default=d.rss_calls,
                         help=f"all_reduce calls of the rss phase (default: {d.rss_calls})")
-    parser.add_argument("--timeout", type=_positive(float), default=d.timeout,
+    parser.add_argument("--timeout", type=positive(float), default=d.timeout,
                         help=f"seconds a measurement may take before it fails (default: {d.timeout:g})")
     parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
 

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._args import positive
 from ._procs import HelperError, Pool, gather
 
 __all__ = [
@@ -561,36 +562,23 @@ def _phase_list(text: str) -> tuple[str, ...]:
     return values
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-        return v
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench store``."""
     d = StoreBenchConfig()
     parser.add_argument("--compare", choices=["torch"], help="also measure torch.distributed.TCPStore, interleaved")
     parser.add_argument("--sizes", type=_int_list, default=d.sizes, metavar="N,N,...",
                         help="rendezvous client counts (default: 64,1024,4096)")
-    parser.add_argument("--clients", type=_positive(int), default=d.clients,
+    parser.add_argument("--clients", type=positive(int), default=d.clients,
                         help=f"concurrent clients of the throughput test (default: {d.clients})")
-    parser.add_argument("--iters", type=_positive(int), default=d.iters,
+    parser.add_argument("--iters", type=positive(int), default=d.iters,
                         help=f"set+get pairs per library and repetition in the latency test (default: {d.iters})")
-    parser.add_argument("--duration", type=_positive(float), default=d.duration,
+    parser.add_argument("--duration", type=positive(float), default=d.duration,
                         help=f"seconds of the throughput test (default: {d.duration:g})")
-    parser.add_argument("--timeout", type=_positive(float), default=d.timeout,
+    parser.add_argument("--timeout", type=positive(float), default=d.timeout,
                         help=f"seconds before a client or a measurement gives up (default: {d.timeout:g})")
-    parser.add_argument("--repeat", type=_positive(int), default=d.repeat,
+    parser.add_argument("--repeat", type=positive(int), default=d.repeat,
                         help=f"interleaved repetitions; medians are reported (default: {d.repeat})")
-    parser.add_argument("--threads-per-proc", type=_positive(int), default=d.threads_per_proc,
+    parser.add_argument("--threads-per-proc", type=positive(int), default=d.threads_per_proc,
                         help="rendezvous clients per helper process; at least 4 processes "
                              f"(default: {d.threads_per_proc})")
     parser.add_argument("--phases", type=_phase_list, default=d.phases, metavar="P,P,...",

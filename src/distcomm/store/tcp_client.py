@@ -33,6 +33,7 @@ from ..errors import (
     DistTypeError,
 )
 from ..fdlimit import ensure_fds
+from ..sockets import recv_exact
 from . import tcp_protocol as p
 from .base import INTERNAL_PREFIX, Store, timeout_error
 from .tcp_server import StoreServer
@@ -199,7 +200,7 @@ class TCPStore(Store):
         sock.settimeout(max(deadline.remaining(), 5.0))
         try:
             sock.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, 0))
-            reply = _recv_exact(sock, p.HANDSHAKE_REPLY.size)
+            reply = recv_exact(sock, p.HANDSHAKE_REPLY.size)
         except TimeoutError:
             raise DistConnectTimeoutError(
                 f"the store at {addr} accepted the connection but did not answer the handshake",
@@ -412,16 +413,6 @@ def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
 
 def _join(keys: list[str]) -> bytes:
     return "\0".join(keys).encode()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("connection closed during the handshake")
-        buf += chunk
-    return bytes(buf)
 
 
 def _bind_host(host: str) -> str:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistError, DistNetworkError
+from ..sockets import recv_exact
 from ..store.base import Store
 from . import tcp_wire as w
 from .base import Channel, Request
@@ -394,7 +395,7 @@ class TcpTransport:
             sock = _connect_retry(host, int(port), deadline, p.rank)
             try:
                 sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
-                reply = _recv_exact(sock, w.HELLO.size)
+                reply = recv_exact(sock, w.HELLO.size)
                 _check_hello(reply, self._token, p.rank)
                 sock.setblocking(False)
             except BaseException:
@@ -923,16 +924,6 @@ def _connect_retry(host: str, port: int, deadline: Deadline, rank: int) -> socke
                 ) from e
             time.sleep(min(deadline.remaining(), delay * (0.5 + random.random())))
             delay = min(delay * 2, 0.5)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("closed during the handshake")
-        buf += chunk
-    return bytes(buf)
 
 
 def _check_hello(data: bytes, token: bytes, rank: int | None) -> None:
