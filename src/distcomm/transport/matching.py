@@ -18,6 +18,7 @@ The :class:`Matcher` is plain data: the transport holds one lock around it.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -28,8 +29,9 @@ from .base import Request
 
 __all__ = ["EAGER_BYTES", "Matcher", "RecvRequest", "SendRequest"]
 
-#: Largest message sent without waiting for the receiver's grant.
-EAGER_BYTES = 64 * 1024
+#: Largest message sent without waiting for the receiver's grant
+#: (``DISTCOMM_EAGER_BYTES`` overrides it, for experiments; same on every rank).
+EAGER_BYTES = int(os.environ.get("DISTCOMM_EAGER_BYTES", 256 * 1024))
 
 Key = tuple[int, int]  # (group id, tag)
 
