@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -20,3 +21,13 @@ def positive(kind: type) -> Callable[[str], Any]:
         return v
 
     return parse
+
+
+def emit(results: dict, text: str, json_path: str | None) -> None:
+    """Print a benchmark's table and, if asked, write all its numbers as JSON."""
+    print(text, flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+        print(f"wrote {json_path}")

@@ -18,7 +18,6 @@ it was told.
 
 from __future__ import annotations
 
-import importlib
 import os
 import secrets
 import shutil
@@ -27,10 +26,9 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from multiprocessing import connection
 
-from ._procs import EXIT_GRACE, HelperError, _child_env, _die_with_parent
+from ._procs import EXIT_GRACE, HelperError, _child_env, _die_with_parent, serve
 
 ENV_ADDR = "DISTCOMM_BENCH_MPI_ADDR"
 ENV_TOKEN = "DISTCOMM_BENCH_MPI_TOKEN"
@@ -202,22 +200,7 @@ def _rank_main() -> None:
     sock.settimeout(None)
     conn = connection.Connection(sock.detach())
     conn.send(("hello", token, comm.rank, comm.size, os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "exit":
-            return
-        name, args = msg
-        try:
-            module, func = name.split(":")
-            getattr(importlib.import_module(module), func)(conn, *args)
-        except BaseException:
-            try:
-                conn.send(("error", traceback.format_exc()))
-            except OSError:
-                return
+    serve(conn)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,11 @@ def _helper_main(fd: int) -> None:
     _die_with_parent()
     raise_fd_limit()
     threading.stack_size(THREAD_STACK)
-    conn = connection.Connection(fd)
+    serve(connection.Connection(fd))
+
+
+def serve(conn: connection.Connection) -> None:
+    """Run ``("module:function", args)`` requests from ``conn`` until ``("exit",)`` or EOF."""
     while True:
         try:
             msg = conn.recv()

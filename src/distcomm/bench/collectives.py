@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
-import json
 import os
 import platform
 import re
@@ -52,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import positive
+from ._args import emit, positive
 from ._coll_mpi import MpiJob, mpi_missing
 from ._coll_ops import (
     DEFAULT_OPS,
@@ -575,10 +574,5 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results = run_collectives_benchmark(config, progress)
-    print(format_results(results), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
-        print(f"wrote {args.json}")
+    emit(results, format_results(results), args.json)
     return 1 if results["summary"]["distcomm_failed"] else 0

@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
-import json
 import math
 import os
 import platform
@@ -42,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import positive
+from ._args import emit, positive
 from ._procs import HelperError, Pool, gather
 
 __all__ = [
@@ -611,12 +610,7 @@ def run(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results = run_store_benchmark(config, progress)
-    print(format_results(results), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
-        print(f"wrote {args.json}")
+    emit(results, format_results(results), args.json)
     return 1 if _distcomm_failed(results) else 0
 
 
