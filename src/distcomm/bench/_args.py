@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,3 +32,25 @@ def emit(results: dict, text: str, json_path: str | None) -> None:
             json.dump(results, f, indent=2)
             f.write("\n")
         print(f"wrote {json_path}")
+
+
+def run_bench(
+    prog: str, config: Any, run: Callable[..., dict], fmt: Callable[[dict], str],
+    json_path: str | None,
+) -> dict | None:
+    """Check ``config``, run it with progress on stderr, print and save the results.
+
+    Returns the results, or None (after a one-line message) if ``config`` is invalid.
+    """
+    try:
+        config.check()
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    results = run(config, progress)
+    emit(results, fmt(results), json_path)
+    return results

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import emit, positive
+from ._args import positive, run_bench
 from ._coll_mpi import MpiJob, mpi_missing
 from ._coll_ops import (
     DEFAULT_OPS,
@@ -564,15 +564,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup, repeat=args.repeat, timeout=args.timeout,
         phases=("rss",) if args.rss else tuple(args.phases), rss_calls=args.rss_calls,
     )
-    try:
-        config.check()
-    except ValueError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+    results = run_bench(prog, config, run_collectives_benchmark, format_results, args.json)
+    if results is None:
         return 2
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    results = run_collectives_benchmark(config, progress)
-    emit(results, format_results(results), args.json)
     return 1 if results["summary"]["distcomm_failed"] else 0

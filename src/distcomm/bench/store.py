@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import emit, positive
+from ._args import positive, run_bench
 from ._procs import HelperError, Pool, gather
 
 __all__ = [
@@ -600,17 +600,9 @@ def run(args: argparse.Namespace) -> int:
         sizes=tuple(args.sizes), repeat=args.repeat, timeout=args.timeout,
         threads_per_proc=args.threads_per_proc, host=args.host, phases=tuple(args.phases),
     )
-    try:
-        config.check()
-    except ValueError as e:
-        print(f"distcomm bench store: {e}", file=sys.stderr)
+    results = run_bench("distcomm bench store", config, run_store_benchmark, format_results, args.json)
+    if results is None:
         return 2
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    results = run_store_benchmark(config, progress)
-    emit(results, format_results(results), args.json)
     return 1 if _distcomm_failed(results) else 0
 
 
