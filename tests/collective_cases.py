@@ -35,8 +35,12 @@ import distcomm as dist
 from distcomm.errors import DistInputError, DistTypeError
 from distcomm.testing import RankFailedError, free_port, run_ranks
 
-#: Every backend the suite runs over (later: "shm", "auto", "mpi").
-BACKENDS = ["tcp"]
+#: "auto" with the ranks spread over two pretend machines (even and odd ranks),
+#: so its hierarchical (shared memory + TCP) path runs on one machine.
+AUTO_SPLIT = "auto:2machines"
+#: Every backend the suite runs over (later: "mpi").  Plain "auto" on one machine
+#: is an shm group (test_shm_backend.py checks that), so it is not run twice.
+BACKENDS = ["tcp", "shm", AUTO_SPLIT]
 #: World sizes every behaviour runs at; BIG_WORLD runs a smaller subset.
 WORLD_SIZES = [1, 2, 3, 4, 5]
 BIG_WORLD = 8
@@ -71,10 +75,20 @@ _TOLERANCE = {  # (rtol, atol per rank) for results of floating-point reductions
 # -- process group set-up --------------------------------------------------------------
 
 
+def real_backend(backend: str, rank: int) -> str:
+    """The backend name to pass to distcomm (for AUTO_SPLIT: "auto", with this
+    process's pretend machine set in the environment)."""
+    if backend == AUTO_SPLIT:
+        os.environ["DISTCOMM_HOST_ID"] = f"machine{rank % 2}"
+        return "auto"
+    os.environ.pop("DISTCOMM_HOST_ID", None)
+    return backend
+
+
 def init(rank: int, world_size: int, backend: str, port: int, timeout: float = GROUP_TIMEOUT,
          **kwargs: Any) -> None:
     dist.init_process_group(
-        backend=backend,
+        backend=real_backend(backend, rank),
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,

@@ -22,6 +22,13 @@ def _forkserver():
 
 
 @pytest.fixture(autouse=True)
+def _machine_id_restored(monkeypatch):
+    """Tests may pretend to be on another machine (DISTCOMM_HOST_ID); never beyond the test."""
+    monkeypatch.delenv("DISTCOMM_HOST_ID", raising=False)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_leaks(_forkserver):
     """Fail the test if it leaves threads, processes, sockets, pipes or shm behind."""
     before = snapshot()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import dataclasses
 import mmap
 import subprocess
 import sys
@@ -448,10 +447,8 @@ def test_bytes_view_of_bfloat16(bf16_mode):
     mv.release()
 
 
-def test_arrayref_is_frozen_and_reshapes():
+def test_arrayref_has_slots_and_reshapes():
     ref = as_array(np.zeros((2, 3)), writable=True)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        ref.dtype = "int8"
     assert ref.reshape_like(np.arange(6)).shape == (2, 3)
     assert isinstance(ref, ArrayRef) and not hasattr(ref, "__dict__")
 

@@ -18,10 +18,14 @@ import time
 import numpy as np
 import pytest
 
+from distcomm.bench import collectives, plot
 from distcomm.bench._coll_mpi import mpi_missing
-from distcomm.bench._coll_ops import DEFAULT_SIZES, OPS, build, default_iters, elements
+from distcomm.bench._coll_ops import DEFAULT_SIZES, OPS, build, default_iters, elements, op_sizes
+from distcomm.bench._coll_report import summarize, traffic_copies
+from distcomm.bench._coll_targets import SHM_TARGETS, TCP_TARGETS, targets_for
 from distcomm.bench.collectives import (
     CollBenchConfig,
+    default_phases,
     format_results,
     parse_sizes,
     run_collectives_benchmark,
@@ -29,6 +33,9 @@ from distcomm.bench.collectives import (
 from distcomm.cli import build_parser, main
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DATA_OPS = [op for op in OPS if OPS[op].moves_data]
 NO_MPI = mpi_missing()
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(__import__("distcomm").__file__)))
 
@@ -43,7 +50,8 @@ def _tiny(libs: tuple[str, ...], repeat: int = 1, **kw) -> CollBenchConfig:
 def _check(results: dict, cfg: CollBenchConfig) -> None:
     libs = cfg.libs
     for op in cfg.ops:
-        for size in cfg.sizes:
+        assert list(results["runs"][op]) == [str(s) for s in op_sizes(op, cfg.sizes)]
+        for size in op_sizes(op, cfg.sizes):
             for lib in libs:
                 reps = results["runs"][op][str(size)][lib]
                 assert len(reps) == cfg.repeat
@@ -52,14 +60,18 @@ def _check(results: dict, cfg: CollBenchConfig) -> None:
                     assert r["wrong"] == 0 and r["warmup_wrong"] == 0, r["first_wrong"]
                     assert r["iters"] == cfg.iters and len(r["rank_p50_s"]) == cfg.world_size
                     assert 0 < r["min_s"] <= r["p50_s"] <= r["p99_s"] <= r["max_s"]
-                    assert r["nbytes"] >= size
+                    assert r["nbytes"] >= size and (r["nbytes"] == 0) == (op == "barrier")
     summary = results["summary"]
     assert not summary["distcomm_failed"] and summary["problems"] == []
     assert list(summary["ops"]) == list(cfg.ops)
-    for rows in summary["ops"].values():
-        assert [row["size"] for row in rows] == list(cfg.sizes)
+    for op, rows in summary["ops"].items():
+        assert [row["size"] for row in rows] == list(op_sizes(op, cfg.sizes))
         for row in rows:
-            assert row["algbw"] > 0 and row["busbw"] > 0
+            if op == "barrier":  # time only
+                assert row["algbw"] is None and row["busbw"] is None
+            else:
+                assert row["algbw"] > 0 and row["busbw"] > 0
+                assert all(row["libs"][lib]["busbw"] > 0 for lib in libs)
             assert set(row["ratio"]) == set(libs[1:])
             assert all(v is not None and v > 0 for v in row["ratio"].values())
     rss = summary["rss"]
@@ -69,18 +81,22 @@ def _check(results: dict, cfg: CollBenchConfig) -> None:
     json.dumps(results)  # --json writes exactly this
     text = format_results(results)
     for op in cfg.ops:
-        assert f"\n{op}  (size = " in text
+        assert f"\n{op}  (" + ("size = " if OPS[op].moves_data else "no data") in text
     assert ("rss phase" in text) == ("rss" in cfg.phases) and "load average" in text
 
 
 @pytest.mark.timeout(180)
 def test_collectives_bench_distcomm_only() -> None:
     cfg = _tiny(("distcomm",), repeat=2)
+    assert cfg.phases == ("timing", "rss")  # no membw phase for tcp
     results = run_collectives_benchmark(cfg)
     _check(results, cfg)
+    assert results["membw"] is None and results["summary"]["membw"] is None
     targets = results["summary"]["targets"]
-    assert [t["op"] for t in targets] == ["rss"]  # op targets need --compare torch
-    assert isinstance(targets[0]["met"], bool)
+    assert [t["op"] for t in targets][-1] == "rss" and isinstance(targets[-1]["met"], bool)
+    for t in targets[:-1]:  # op targets need --compare torch
+        assert t["met"] is None and t["why"] == "needs --compare torch"
+    assert "not checked (needs --compare torch)" in format_results(results)
 
 
 @pytest.mark.timeout(240)
@@ -91,15 +107,17 @@ def test_collectives_bench_compare_torch() -> None:
     _check(results, cfg)
     targets = results["summary"]["targets"]
     assert [t["op"] for t in targets] == [
-        "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "rss"]
-    assert all(isinstance(t["met"], bool) for t in targets)
+        "all_reduce", "all_reduce", "broadcast", "broadcast", "all_gather_into_tensor",
+        "all_gather_into_tensor", "reduce_scatter_tensor", "rss"]
+    for t in targets:  # the sizes above 1 MiB were not measured
+        assert isinstance(t["met"], bool) if "above" not in t["target"] else t["met"] is None
     assert "x torch" in format_results(results)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(NO_MPI is not None, reason=f"--compare mpi cannot run here: {NO_MPI}")
 def test_collectives_bench_compare_mpi() -> None:
-    cfg = _tiny(("distcomm", "mpi"), ops=("all_reduce", "reduce", "all_to_all_single"),
+    cfg = _tiny(("distcomm", "mpi"), ops=("all_reduce", "reduce", "all_to_all_single", "barrier"),
                 phases=("timing",))
     results = run_collectives_benchmark(cfg)
     _check(results, cfg)
@@ -117,7 +135,8 @@ def test_collectives_bench_cli(tmp_path, capsys) -> None:
     assert "all_reduce  (size = the buffer; busbw = algbw x 2(n-1)/n)" in text
     data = json.loads(out.read_text())
     assert data["config"]["sizes"] == [8, 1024] and data["config"]["phases"] == ["timing"]
-    assert data["rss"] == {} and data["summary"]["targets"] == []
+    assert data["rss"] == {} and data["membw"] is None
+    assert {t["met"] for t in data["summary"]["targets"]} == {None}  # needs --compare torch
 
 
 def test_collectives_bench_cli_rejects_bad_options(capsys) -> None:
@@ -132,8 +151,184 @@ def test_collectives_bench_cli_rejects_bad_options(capsys) -> None:
     assert "world size must be >= 2" in capsys.readouterr().err
 
 
+def test_collectives_bench_rejects_unknown_backend(capsys) -> None:
+    """Any registered backend is accepted; others fail before anything starts, in one line."""
+    assert main(["bench", "collectives", "--backend", "nope", "--phases", "timing"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distcomm bench collectives: --backend: unknown backend 'nope'; available: ")
+    assert "tcp" in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match="available: .*tcp"):
+        CollBenchConfig(backend="no-such-backend").check()
+    CollBenchConfig(backend="gloo").check()  # an alias of auto is registered too
+    CollBenchConfig(backend="TCP").check()
+
+
+def test_plot_needs_matplotlib(tmp_path, capsys, monkeypatch) -> None:
+    """Without matplotlib, --plot and bench plot fail at once (exit 2), nothing runs."""
+    monkeypatch.setattr(plot, "matplotlib_missing", lambda: "matplotlib is not installed (pip install x)")
+
+    def must_not_run(*_a, **_k):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(collectives, "run_collectives_benchmark", must_not_run)
+    png = tmp_path / "p.png"
+    assert main(["bench", "collectives", "--plot", str(png)]) == 2
+    assert "--plot: matplotlib is not installed" in capsys.readouterr().err
+    results = tmp_path / "r.json"
+    results.write_text("{}")
+    assert main(["bench", "plot", str(results), "-o", str(png)]) == 2
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not png.exists()
+
+
+def test_plot_option_checks(tmp_path, capsys) -> None:
+    assert main(["bench", "collectives", "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    if HAS_MPL:
+        assert main(["bench", "collectives", "--rss", "--plot", str(tmp_path / "p.png")]) == 2
+        assert "nothing to draw without the timing phase" in capsys.readouterr().err
+    bad = tmp_path / "store.json"
+    bad.write_text(json.dumps({"benchmark": "store"}))
+    assert main(["bench", "plot", str(bad), "-o", str(tmp_path / "q.png")]) == 2
+    err = capsys.readouterr().err
+    assert ("is not the --json of distcomm bench collectives" if HAS_MPL else "matplotlib") in err
+
+
+@pytest.mark.timeout(120)
+def test_collectives_bench_membw_barrier_plot(tmp_path, capsys) -> None:
+    """membw phase, barrier row, --json and --plot in one CLI run; then bench plot of the JSON."""
+    out, png = tmp_path / "coll.json", tmp_path / "coll.png"
+    argv = ["bench", "collectives", "-n", "2", "--ops", "all_reduce,barrier", "--sizes", "8B,1MiB",
+            "--iters", "2", "--repeat", "1", "--phases", "timing,membw", "--membw-size", "1MiB",
+            "--json", str(out)]
+    if HAS_MPL:
+        argv += ["--plot", str(png)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "\nbarrier  (no data: time only, measured once)" in text
+    barrier_row = text.split("\nbarrier  (")[1].splitlines()[3]
+    assert barrier_row.startswith("-  ") and barrier_row.split()[1] == "2"
+    assert "membw phase: 2 processes at once each copy 1 MiB" in text
+    assert "all_reduce 1 MiB: " in text and "% of ceiling" in text
+    data = json.loads(out.read_text())
+    assert data["config"]["phases"] == ["timing", "membw"] and list(data["runs"]["barrier"]) == ["0"]
+    m = data["summary"]["membw"]
+    assert m["error"] is None and m["ok"] and m["procs"] == 2 and m["nbytes"] == 1 << 20
+    assert len(m["copy_bw_per_proc"]) == 2 and m["copy_bw"] == min(m["copy_bw_per_proc"]) > 0
+    assert m["traffic_copies"] == traffic_copies(2) == 2.75
+    assert m["ceiling_s"] == pytest.approx(2.75 * (1 << 20) / m["copy_bw"])
+    assert m["fraction"] == pytest.approx(m["ceiling_s"] / m["all_reduce_s"])
+    if not HAS_MPL:
+        return
+    assert png.read_bytes()[:8] == PNG_MAGIC and f"wrote {png}" in text
+    again = tmp_path / "again.png"
+    assert main(["bench", "plot", str(out), "-o", str(again)]) == 0
+    assert again.read_bytes()[:8] == PNG_MAGIC
+    assert main(["bench", "plot", str(out)]) == 0  # default: next to the JSON
+    assert (tmp_path / "coll.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_default_phases_follow_the_backend() -> None:
+    assert default_phases("tcp") == ("timing", "rss") == CollBenchConfig().phases
+    assert default_phases("shm") == default_phases("auto") == ("timing", "rss", "membw")
+    assert CollBenchConfig(backend="shm").phases == ("timing", "rss", "membw")
+    assert CollBenchConfig(backend="auto", phases=("timing",)).phases == ("timing",)
+
+
+def test_target_tables_follow_the_backend() -> None:
+    assert targets_for("tcp") is TCP_TARGETS and targets_for("gloo") is SHM_TARGETS
+    assert targets_for("shm") is SHM_TARGETS and targets_for("AUTO") is SHM_TARGETS
+    assert [t.kind for t in targets_for("something-else")] == ["rss"]
+    texts = [t.text(64 << 20) for t in SHM_TARGETS]
+    assert texts[:3] == [
+        "all_reduce >= 5x torch gloo throughput from 8 B to 4 MiB",
+        "all_reduce >= 1x mpi throughput at 1 MiB and above",
+        "all_reduce latency (p50) <= 5x mpi's at 8 B and 1 KiB",
+    ]
+    assert "all_reduce 64 MiB at 2 ranks >= 60% of the memory-bandwidth ceiling" in texts
+    assert "every collective >= 1x torch gloo throughput at every size at 4 ranks" in texts
+    assert TCP_TARGETS[0].text() == "all_reduce >= 1.5x torch gloo throughput up to 1 MiB"
+    assert TCP_TARGETS[1].text() == "all_reduce >= 1x torch gloo throughput above 1 MiB"
+
+
+def _fake_results(backend: str, n: int, times: dict[str, dict[int, dict[str, float]]],
+                  membw_s: float | None = None) -> dict:
+    """Results as run_collectives_benchmark makes them, with chosen p50s (one repetition)."""
+    libs = ["distcomm", "torch", "mpi"]
+    runs = {op: {str(size): {lib: [{"nbytes": size, "iters": 5, "p50_s": t, "p99_s": t, "wrong": 0,
+                                    "first_wrong": None, "error": None}]
+                             for lib, t in per_lib.items()}
+                 for size, per_lib in per_size.items()}
+            for op, per_size in times.items()}
+    membw = None
+    if membw_s is not None:
+        membw = {"error": None, "nbytes": 64 << 20,
+                 "ranks": [{"times": [membw_s] * 3, "nbytes": 64 << 20, "ok": True}] * n}
+    return {"config": {"libs": libs, "world_size": n, "backend": backend}, "runs": runs, "rss": {},
+            "membw": membw}
+
+
+def test_targets_are_checked_from_the_table() -> None:
+    """Synthetic times (no measurement): which targets apply, pass, miss, or are not checked."""
+    big = 64 << 20
+    times = {
+        # 5x torch from 8 B to 4 MiB: met at 8 B and 1 KiB, missed at 1 MiB (4x);
+        # mpi: latency 2x theirs at 8 B (ok), 6x at 1 KiB (missed); 1 MiB and 64 MiB: faster
+        "all_reduce": {8: {"distcomm": 2e-6, "torch": 10e-6, "mpi": 1e-6},
+                       1024: {"distcomm": 6e-6, "torch": 60e-6, "mpi": 1e-6},
+                       1 << 20: {"distcomm": 1e-3, "torch": 4e-3, "mpi": 2e-3},
+                       big: {"distcomm": 0.05, "torch": 0.5, "mpi": 0.06}},
+        "broadcast": {8: {"distcomm": 1e-6, "torch": 3e-6, "mpi": 1e-6}},
+        "barrier": {0: {"distcomm": 1e-6, "torch": 2e-6, "mpi": 1e-6}},
+    }
+    # copies of 64 MiB in 10 ms: ceiling = 2.75 x 10 ms = 27.5 ms, 55% of the 50 ms measured
+    summary = summarize(_fake_results("shm", 2, times, membw_s=0.01))
+    got = {t["target"]: t for t in summary["targets"]}
+    assert summary["membw"]["ceiling_s"] == pytest.approx(0.0275)
+    assert summary["membw"]["fraction"] == pytest.approx(0.55)
+    t = got["all_reduce >= 5x torch gloo throughput from 8 B to 4 MiB"]
+    assert t["met"] is False and [m["size"] for m in t["missed"]] == [1 << 20]
+    assert got["all_reduce >= 1x mpi throughput at 1 MiB and above"]["met"] is True
+    t = got["all_reduce latency (p50) <= 5x mpi's at 8 B and 1 KiB"]
+    assert t["met"] is False and [m["size"] for m in t["missed"]] == [1024]
+    assert got["broadcast >= 3x torch gloo throughput at every size"]["met"] is True
+    t = got["barrier >= 3x torch gloo throughput at every size"]
+    assert t["met"] is False and t["missed"][0]["size"] == 0
+    t = got["all_reduce 64 MiB at 2 ranks >= 60% of the memory-bandwidth ceiling"]
+    assert t["met"] is False and t["fraction"] == pytest.approx(0.55)
+    assert not any("4 ranks" in k for k in got)  # only at -n 4
+    assert not any(k.startswith("all_gather") for k in got)  # not measured: not listed
+    text = format_results({**_fake_results("shm", 2, times, membw_s=0.01), "summary": summary,
+                           "date": "now", "environment": {}, "config": {
+                               "libs": ["distcomm", "torch", "mpi"], "world_size": 2, "backend": "shm",
+                               "repeat": 1, "dtype": "float32", "rss_calls": 1}})
+    assert "targets for backend shm" in text and "all_reduce 64 MiB: 50.0 ms, ceiling 27.5 ms, 55% of ceiling" in text
+    assert "(missed at 1 KiB: 6.00x mpi's p50)" in text and "1 MiB  " in text and "4.00x *" in text
+
+    # at 4 ranks: no ceiling target, one target over every collective
+    summary = summarize(_fake_results("auto", 4, times))
+    got = {t["target"]: t for t in summary["targets"]}
+    t = got["every collective >= 1x torch gloo throughput at every size at 4 ranks"]
+    assert t["met"] is True
+    assert not any("ceiling" in k for k in got)
+    # without mpi, its targets are listed as not checked
+    res = _fake_results("shm", 2, {"all_reduce": {8: {"distcomm": 1e-6, "torch": 9e-6}}})
+    res["config"]["libs"] = ["distcomm", "torch"]
+    got = {t["target"]: t for t in summarize(res)["targets"]}
+    assert got["all_reduce >= 1x mpi throughput at 1 MiB and above"]["why"] == "needs --compare mpi"
+    assert got["all_reduce 64 MiB at 2 ranks >= 60% of the memory-bandwidth ceiling"]["why"] == \
+        "needs the membw phase"
+    # tcp keeps its own table
+    got = {t["target"]: t for t in summarize(_fake_results("tcp", 2, times))["targets"]}
+    assert got["all_reduce >= 1.5x torch gloo throughput up to 1 MiB"]["met"] is True
+    assert got["all_reduce >= 1x torch gloo throughput above 1 MiB"]["met"] is True
+    assert not any("mpi" in k for k in got)
+
+
 def test_sizes_and_iterations() -> None:
     assert parse_sizes("8B..64MiB") == DEFAULT_SIZES
+    assert 8 in DEFAULT_SIZES and 1024 in DEFAULT_SIZES  # issue 4's latency sizes
+    assert op_sizes("barrier", DEFAULT_SIZES) == (0,) and op_sizes("all_reduce", (8,)) == (8,)
     assert parse_sizes("1KiB,4K, 8") == (8, 1024, 4096)
     assert parse_sizes("8..512:x8") == (8, 64, 512)
     assert parse_sizes("1M..2M") == (1 << 20, 2 << 20)
@@ -164,7 +359,14 @@ def _simulate(op: str, inputs: list[np.ndarray], n: int) -> list[np.ndarray]:
     raise AssertionError(op)
 
 
-@pytest.mark.parametrize("op", list(OPS))
+def test_barrier_workload_moves_nothing() -> None:
+    w = build("barrier", 0, "float32", 0, 2)
+    assert w.count == 0 and w.inp.size == 0 and not w.checked and w.check() is None
+    w.reset()
+    assert elements("barrier", 1 << 20, 4, 4) == 0
+
+
+@pytest.mark.parametrize("op", DATA_OPS)
 @pytest.mark.parametrize("nbytes", [8, 4096, 3 << 20])  # whole-array and sampled checks
 @pytest.mark.parametrize("n", [2, 3])
 def test_workload_checks_catch_wrong_results(op: str, nbytes: int, n: int) -> None:

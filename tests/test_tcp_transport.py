@@ -54,6 +54,11 @@ def _finish(store: TCPStore, transport: TcpTransport, rank: int, n: int) -> None
     store.set(f"done{rank}", "1")
     store.wait([f"done{r}" for r in range(n)])
     transport.close()
+    # rank 0 hosts the store: it closes only once every other rank is past its last request
+    if rank == 0:
+        store.wait([f"left{r}" for r in range(1, n)])
+    else:
+        store.set(f"left{rank}", "1")
     store.close()
 
 

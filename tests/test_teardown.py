@@ -14,6 +14,7 @@ import pytest
 from collective_cases import (
     BACKENDS,
     Report,
+    real_backend,
     run_destroy_pending,
     run_first_contact_after_rank0_left,
     run_reinit,
@@ -40,7 +41,7 @@ def test_reinit_in_this_process(backend):
     first = free_port()
     threads, sockets = threading.active_count(), socket_count()
     for cycle, port in enumerate([first, first, first, free_port(), free_port()]):
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+        dist.init_process_group(real_backend(backend, 0), init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1, timeout=30)
         assert dist.is_initialized() and dist.get_world_size() == 1
         t = np.full(3, cycle, np.int64)

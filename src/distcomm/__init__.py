@@ -27,6 +27,8 @@ from .api import (
     split_group,
 )
 from .backend_registry import Backend
+from .backends import auto as _auto  # noqa: F401
+from .backends import shm as _shm  # noqa: F401
 from .backends import tcp as _tcp  # noqa: F401
 from .collectives import (
     P2POp,

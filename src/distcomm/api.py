@@ -45,7 +45,7 @@ __all__ = [
 #: Default timeout of a process group, as torch's gloo default.
 default_pg_timeout = timedelta(minutes=30)
 #: What ``backend=None`` and ``"gloo"`` mean.
-DEFAULT_BACKEND = "tcp"
+DEFAULT_BACKEND = "auto"
 
 
 class _NonMember:

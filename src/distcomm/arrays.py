@@ -84,7 +84,7 @@ def storage_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ArrayRef:
     """A flat view of a caller's tensor.
 

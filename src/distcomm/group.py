@@ -14,6 +14,7 @@ anything is issued and leave the group usable.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 
 from .deadline import Deadline
 from .errors import DistBackendError, DistError, DistTimeoutError
-from .work import Work
+from .work import Work, finished
 
 __all__ = ["ProcessGroup"]
 
@@ -33,7 +34,8 @@ class _Serial:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._mu = threading.Condition()
+        self._lock = threading.Lock()
+        self._mu = threading.Condition(self._lock)
         self._queue: deque[tuple[Callable[[], None], Work]] = deque()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -59,6 +61,22 @@ class _Serial:
         finally:
             with self._mu:
                 self._running = False
+                self._mu.notify_all()
+
+    def enter_inline(self) -> bool:
+        """Claim the executor for a blocking call in the caller's thread, if idle."""
+        with self._lock:
+            if self._stopped:
+                raise DistBackendError(f"process group {self._name!r} was destroyed")
+            if self._running or self._queue:
+                return False
+            self._running = True
+            return True
+
+    def leave_inline(self) -> None:
+        with self._lock:
+            self._running = False
+            if self._queue:
                 self._mu.notify_all()
 
     def _loop(self) -> None:
@@ -106,8 +124,7 @@ class ProcessGroup:
         self.group_name = group_name
         self.timeout = timeout
         self.ranks = list(ranks)
-        self._seq = 0
-        self._seq_lock = threading.Lock()
+        self._seqs = itertools.count(1)  # next() is atomic
         self._serial = _Serial(group_name)
         self._broken: BaseException | None = None
         self._closed = False
@@ -175,9 +192,7 @@ class ProcessGroup:
         """Release sockets, buffers, threads (subclasses)."""
 
     def _next_seq(self) -> int:
-        with self._seq_lock:
-            self._seq += 1
-            return self._seq
+        return next(self._seqs)
 
     def _describe_peers(self) -> str:
         return f"ranks {list(range(self._size))} of group {self.group_name!r}"
@@ -187,8 +202,21 @@ class ProcessGroup:
 
         The Work's result is ``run``'s return value, or ``result`` if given.
         """
-        self.check_usable()
+        if self._broken is not None or self._closed:
+            self.check_usable()
         seq = self._next_seq()
+        if not async_op and self._serial.enter_inline():
+            # the common case, kept lean: no hand-off, no waiting on a Work
+            try:
+                out = run(seq, Deadline(self.timeout))
+            except BaseException as e:  # noqa: BLE001 - re-raised as the user-facing error
+                err = self._failed(op, seq, e)
+                if err is e:
+                    raise
+                raise err from e
+            finally:
+                self._serial.leave_inline()
+            return finished(op, self.group_name, seq, result if result is not None else out)
         work = Work(op, self.group_name, seq, self._describe_peers)
 
         def job() -> None:

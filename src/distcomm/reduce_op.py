@@ -37,6 +37,7 @@ __all__ = [
     "combiner",
     "finalize",
     "make_premul_sum",
+    "op_combiner",
     "_make_nccl_premul_sum",
     "reduce_arrays",
 ]
@@ -238,6 +239,25 @@ def combiner(op: Any, dtype_name: str) -> Combiner:
     """
     op = check_op(op, dtype_name)
     return _combiner(op.name, dtype_name)
+
+
+_CHECKED: dict[tuple[Any, str], tuple[ReduceOp, Combiner]] = {}
+
+
+def op_combiner(op: Any, dtype_name: str) -> tuple[ReduceOp, Combiner]:
+    """``(check_op(op, dtype_name), combiner(op, dtype_name))``, cached for hashable ops."""
+    try:
+        return _CHECKED[(op, dtype_name)]
+    except (KeyError, TypeError):
+        pass
+    checked = check_op(op, dtype_name)
+    pair = (checked, _combiner(checked.name, dtype_name))
+    try:
+        if len(_CHECKED) < 256:
+            _CHECKED[(op, dtype_name)] = pair
+    except TypeError:
+        pass
+    return pair
 
 
 @functools.cache

@@ -110,8 +110,35 @@ def _resolve(future: Future, result: Any, error: BaseException | None) -> None:
         future.set_result(result)
 
 
+class _Set:
+    """The flag of a Work that finished before it was made."""
+
+    __slots__ = ()
+
+    def is_set(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+_SET = _Set()
+_FINISHED_LOCK = threading.Lock()  # get_future of finished Works only reads
+
+
+def _no_peers() -> str:
+    return "no other rank"
+
+
+def finished(op: str, group: str, seq: int | None, result: Any = None) -> Work:
+    """A Work that already succeeded with ``result`` (made cheaply: blocking calls)."""
+    w = Work.__new__(Work)
+    w.op, w.group, w.seq, w._peers = op, group, seq, _no_peers
+    w._done, w._error, w._result, w._source, w._future = _SET, None, result, None, None
+    w._lock = _FINISHED_LOCK
+    return w
+
+
 def completed(op: str, group: str, result: Any = None) -> Work:
     """A Work already finished (world size 1, empty operations)."""
-    w = Work(op, group, None, lambda: "no other rank")
-    w._finish(result)
-    return w
+    return finished(op, group, None, result)

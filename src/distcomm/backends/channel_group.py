@@ -21,7 +21,7 @@ from ..arrays import ArrayRef, as_array
 from ..deadline import Deadline, to_seconds
 from ..errors import DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup
-from ..reduce_op import check_op, combiner, finalize
+from ..reduce_op import finalize, op_combiner
 from ..transport.base import MAX_P2P_TAG, Channel, Request, p2p_tag
 from ..work import Work
 
@@ -42,13 +42,68 @@ class _Staging:
         return buf[:nbytes].view(dtype)
 
 
-class ChannelProcessGroup(ProcessGroup):
-    """A process group whose collectives run as algorithms over a channel."""
+class ChannelAlgorithms:
+    """The algorithms of :mod:`distcomm.algorithms` bound to one channel.
 
-    def __init__(self, channel: Channel, group_name: str, timeout: float, ranks: list[int]) -> None:
+    A backend with collectives of its own (shared memory) gives the group
+    another object with these methods; point-to-point stays on the channel.
+    """
+
+    #: ``reduce`` leaves non-root inputs untouched (no staging copy needed).
+    reduce_keeps_input = False
+
+    def __init__(self, channel: Channel, staging: _Staging) -> None:
+        self.channel = channel
+        self._staging = staging
+
+    def barrier(self, seq: int, deadline: Deadline) -> None:
+        algo.barrier(self.channel, seq, deadline)
+
+    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
+        algo.broadcast(self.channel, arr, root, seq, deadline)
+
+    def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
+        algo.allreduce(self.channel, arr, combine, seq, deadline)
+
+    def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
+        algo.reduce(self.channel, arr, combine, root, seq, deadline)
+
+    def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
+        algo.allgather(self.channel, out, seq, deadline)
+
+    def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
+               deadline: Deadline) -> None:
+        algo.gather(self.channel, send, out, root, seq, deadline)
+
+    def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
+                deadline: Deadline) -> None:
+        algo.scatter(self.channel, buf, out, root, seq, deadline)
+
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Any, seq: int,
+                       deadline: Deadline) -> None:
+        """``out`` = this rank's block of the reduction; ``inp`` stays intact
+        unless it is the group's own reduce_scatter staging buffer."""
+        buf = self._staging.take("reduce_scatter", inp.dtype, inp.size)
+        if not _same(buf, inp):
+            np.copyto(buf, inp)  # the algorithm works in place
+        out[:] = algo.reduce_scatter(self.channel, buf, combine, seq, deadline)
+
+    def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
+                 send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
+        algo.alltoall(self.channel, send, recv, seq, deadline,
+                      send_counts=send_counts, recv_counts=recv_counts)
+
+
+class ChannelProcessGroup(ProcessGroup):
+    """A process group whose collectives run as algorithms over a channel
+    (or over ``algorithms``, an object with :class:`ChannelAlgorithms`' methods)."""
+
+    def __init__(self, channel: Channel, group_name: str, timeout: float, ranks: list[int],
+                 algorithms: Any = None) -> None:
         super().__init__(channel.rank, channel.size, group_name, timeout, ranks)
         self.channel = channel
         self._staging = _Staging()
+        self.algorithms = algorithms or ChannelAlgorithms(channel, self._staging)
 
     # -- lifecycle hooks ----------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
@@ -95,17 +150,16 @@ class ChannelProcessGroup(ProcessGroup):
         ref = self._ref(tensor, "tensor")
 
         def run(seq: int, deadline: Deadline) -> None:
-            algo.broadcast(self.channel, ref.array, root, seq, deadline)
+            self.algorithms.broadcast(ref.array, root, seq, deadline)
 
         return self._submit("broadcast", run, async_op, result=tensor)
 
     def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Work:
         ref = self._ref(tensor, "tensor")
-        op = check_op(op, ref.dtype)
-        combine = combiner(op, ref.dtype)
+        op, combine = op_combiner(op, ref.dtype)
 
         def run(seq: int, deadline: Deadline) -> None:
-            algo.allreduce(self.channel, ref.array, combine, seq, deadline)
+            self.algorithms.allreduce(ref.array, combine, seq, deadline)
             finalize(op, ref.array, self._size, ref.dtype)
 
         return self._submit("all_reduce", run, async_op, result=tensor)
@@ -113,16 +167,15 @@ class ChannelProcessGroup(ProcessGroup):
     def reduce(self, tensor: Any, root: int, op: Any, async_op: bool = False) -> Work:
         self._check_root(root, "dst")
         ref = self._ref(tensor, "tensor", writable=self._rank == root)
-        op = check_op(op, ref.dtype)
-        combine = combiner(op, ref.dtype)
+        op, combine = op_combiner(op, ref.dtype)
 
         def run(seq: int, deadline: Deadline) -> None:
-            if self._rank == root:
-                arr = ref.array
-            else:  # the algorithm accumulates in place: keep the caller's input intact
+            arr = ref.array
+            if self._rank != root and not self.algorithms.reduce_keeps_input:
+                # the algorithm accumulates in place: keep the caller's input intact
                 arr = self._staging.take("reduce", ref.array.dtype, ref.numel)
                 np.copyto(arr, ref.array)
-            algo.reduce(self.channel, arr, combine, root, seq, deadline)
+            self.algorithms.reduce(arr, combine, root, seq, deadline)
             if self._rank == root:
                 finalize(op, arr, self._size, ref.dtype)
 
@@ -138,7 +191,7 @@ class ChannelProcessGroup(ProcessGroup):
         def run(seq: int, deadline: Deadline) -> None:
             buf = self._staging.take("gather", inp.array.dtype, n * self._size)
             buf[self._rank * n : (self._rank + 1) * n] = inp.array
-            algo.allgather(self.channel, buf, seq, deadline)
+            self.algorithms.allgather(buf, seq, deadline)
             for i, o in enumerate(outs):
                 o.array[:] = buf[i * n : (i + 1) * n]
 
@@ -154,7 +207,7 @@ class ChannelProcessGroup(ProcessGroup):
             mine = out.array[self._rank * n : (self._rank + 1) * n]
             if not _same(mine, inp.array):
                 mine[:] = inp.array
-            algo.allgather(self.channel, out.array, seq, deadline)
+            self.algorithms.allgather(out.array, seq, deadline)
 
         return self._submit("all_gather_into_tensor", run, async_op, result=output)
 
@@ -176,7 +229,7 @@ class ChannelProcessGroup(ProcessGroup):
             buf = None
             if self._rank == root:
                 buf = self._staging.take("gather", inp.array.dtype, n * self._size)
-            algo.gather(self.channel, inp.array, buf, root, seq, deadline)
+            self.algorithms.gather(inp.array, buf, root, seq, deadline)
             for i, o in enumerate(outs):
                 o.array[:] = buf[i * n : (i + 1) * n]
 
@@ -202,7 +255,7 @@ class ChannelProcessGroup(ProcessGroup):
                 buf = self._staging.take("scatter", out.array.dtype, n * self._size)
                 for i, r in enumerate(ins):
                     buf[i * n : (i + 1) * n] = r.array
-            algo.scatter(self.channel, buf, out.array, root, seq, deadline)
+            self.algorithms.scatter(buf, out.array, root, seq, deadline)
 
         return self._submit("scatter", run, async_op, result=tensor)
 
@@ -211,16 +264,14 @@ class ChannelProcessGroup(ProcessGroup):
         ins = self._refs(input_list, "input_list", writable=False, n=self._size)
         for i in ins:
             self._check_like(i, out)
-        op = check_op(op, out.dtype)
-        combine = combiner(op, out.dtype)
+        op, combine = op_combiner(op, out.dtype)
         n = out.numel
 
         def run(seq: int, deadline: Deadline) -> None:
             buf = self._staging.take("reduce_scatter", out.array.dtype, n * self._size)
             for i, r in enumerate(ins):
                 buf[i * n : (i + 1) * n] = r.array
-            mine = algo.reduce_scatter(self.channel, buf, combine, seq, deadline)
-            out.array[:] = mine
+            self.algorithms.reduce_scatter(out.array, buf, combine, seq, deadline)
             finalize(op, out.array, self._size, out.dtype)
 
         return self._submit("reduce_scatter", run, async_op, result=output)
@@ -229,14 +280,10 @@ class ChannelProcessGroup(ProcessGroup):
         out = self._ref(output, "output")
         inp = self._ref(input, "input", writable=False)
         self._check_like(inp, out, self._size)
-        op = check_op(op, out.dtype)
-        combine = combiner(op, out.dtype)
+        op, combine = op_combiner(op, out.dtype)
 
         def run(seq: int, deadline: Deadline) -> None:
-            buf = self._staging.take("reduce_scatter", inp.array.dtype, inp.numel)
-            np.copyto(buf, inp.array)  # the algorithm works in place; the input stays intact
-            mine = algo.reduce_scatter(self.channel, buf, combine, seq, deadline)
-            out.array[:] = mine
+            self.algorithms.reduce_scatter(out.array, inp.array, combine, seq, deadline)
             finalize(op, out.array, self._size, out.dtype)
 
         return self._submit("reduce_scatter_tensor", run, async_op, result=output)
@@ -255,8 +302,8 @@ class ChannelProcessGroup(ProcessGroup):
             send = self._staging.take("a2a_send", dtype, sum(send_counts))
             recv = self._staging.take("a2a_recv", dtype, sum(recv_counts))
             _pack(send, [r.array for r in ins])
-            algo.alltoall(self.channel, send, recv, seq, deadline,
-                          send_counts=send_counts, recv_counts=recv_counts)
+            self.algorithms.alltoall(send, recv, seq, deadline,
+                                     send_counts=send_counts, recv_counts=recv_counts)
             _unpack(recv, [r.array for r in outs])
 
         return self._submit("all_to_all", run, async_op, result=output_list)
@@ -275,8 +322,8 @@ class ChannelProcessGroup(ProcessGroup):
             raise DistInputError("all_to_all_single output and input must not overlap")
 
         def run(seq: int, deadline: Deadline) -> None:
-            algo.alltoall(self.channel, inp.array, out.array, seq, deadline,
-                          send_counts=send_counts, recv_counts=recv_counts)
+            self.algorithms.alltoall(inp.array, out.array, seq, deadline,
+                                     send_counts=send_counts, recv_counts=recv_counts)
 
         return self._submit("all_to_all_single", run, async_op, result=output)
 
@@ -306,7 +353,7 @@ class ChannelProcessGroup(ProcessGroup):
 
     def barrier(self, async_op: bool = False) -> Work:
         def run(seq: int, deadline: Deadline) -> None:
-            algo.barrier(self.channel, seq, deadline)
+            self.algorithms.barrier(seq, deadline)
 
         return self._submit("barrier", run, async_op)
 

@@ -19,7 +19,7 @@ from ..store.tcp_client import TCPStore
 from ..transport.tcp import TcpTransport
 from .channel_group import ChannelProcessGroup
 
-__all__ = ["TcpProcessGroup", "TcpBackend"]
+__all__ = ["TcpProcessGroup", "TcpBackend", "open_transport"]
 
 _TOKEN_KEY = "tcp/job_token"
 
@@ -61,17 +61,23 @@ def _master_host(store: Store) -> str | None:
     return store.host if isinstance(store, TCPStore) else os.environ.get("MASTER_ADDR")
 
 
+def open_transport(store: Store, rank: int, size: int, timeout: float, world: Any = None) -> TcpTransport:
+    """The process's TCP transport for a new world (closed with ``world``'s resources)."""
+    if rank == 0:
+        store.set(_TOKEN_KEY, os.urandom(16))
+    token = store.get(_TOKEN_KEY)
+    transport = TcpTransport(rank, size, store, token, timeout, _master_host(store))
+    if world is not None:
+        world.resources.append(transport)
+    return transport
+
+
 class TcpBackend(BackendFactory):
     def __init__(self) -> None:
         super().__init__("tcp", None)  # type: ignore[arg-type]
 
     def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None, **_: Any):
-        if rank == 0:
-            store.set(_TOKEN_KEY, os.urandom(16))
-        token = store.get(_TOKEN_KEY)
-        transport = TcpTransport(rank, size, store, token, timeout, _master_host(store))
-        if world is not None:
-            world.resources.append(transport)
+        transport = open_transport(store, rank, size, timeout, world)
         pg = TcpProcessGroup(transport, list(range(size)), "default", timeout)
         if _eager(size):
             pg.connect_all()
@@ -83,4 +89,3 @@ class TcpBackend(BackendFactory):
 
 
 Backend.register_backend("tcp", TcpBackend())
-Backend.register_alias("gloo", "tcp")

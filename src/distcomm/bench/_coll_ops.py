@@ -9,6 +9,7 @@ one rank's send and receive buffers, i.e. the buffer of ``all_reduce``,
 (each rank contributes ``size / n``), the *input* of
 ``reduce_scatter_tensor`` (each rank receives ``size / n``) and each rank's
 send buffer of ``all_to_all_single`` (``size / n`` to every peer).
+``barrier`` moves no data: it is measured once, at size 0, for its time.
 ``algbw = size / time``; ``busbw = algbw * factor`` with nccl-tests'
 factors (:data:`OPS`).  Ops that split a buffer n ways round the element
 count up to a multiple of n, so the smallest sizes can grow a little (8 B of
@@ -38,8 +39,8 @@ SAMPLES = 61
 #: to ``ITERS_AT[1]`` at ``SIZE_RANGE[1]``, log-linear in between (as the anchors were taken).
 SIZE_RANGE = (8, 64 << 20)
 ITERS_AT = (2000, 4)
-#: Default sizes: 8 B to 64 MiB.
-DEFAULT_SIZES = (8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+#: Default sizes: 8 B to 64 MiB (x8, with 1 KiB, then x4).
+DEFAULT_SIZES = (8, 64, 512, 1 << 10, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 DTYPES = ("float32", "float64", "int32", "int64")
 #: Value written into buffers a collective is expected to overwrite.
 SENTINEL = -1
@@ -54,6 +55,7 @@ class OpInfo:
     factor_text: str
     split: bool  # the size is divided into n parts
     size_is: str  # what "size" means for this op
+    moves_data: bool = True  # False: measured once, at size 0 (barrier)
 
 
 OPS: dict[str, OpInfo] = {
@@ -68,14 +70,22 @@ OPS: dict[str, OpInfo] = {
                "the input (each rank gets size/n)"),
         OpInfo("all_to_all_single", lambda n: (n - 1) / n, "(n-1)/n", True,
                "one rank's send buffer (size/n to each rank)"),
+        OpInfo("barrier", lambda n: 0.0, "-", False, "none: no data, time only", moves_data=False),
     )
 }
 DEFAULT_OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "all_to_all_single")
+               "reduce_scatter_tensor", "all_to_all_single", "barrier")
+
+
+def op_sizes(op: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes ``op`` is measured at: ``sizes``, or just 0 for an op that moves no data."""
+    return tuple(sizes) if OPS[op].moves_data else (0,)
 
 
 def elements(op: str, nbytes: int, itemsize: int, n: int) -> int:
-    """Element count of the ``size`` buffer for ``nbytes`` requested."""
+    """Element count of the ``size`` buffer for ``nbytes`` requested (0 for barrier)."""
+    if not OPS[op].moves_data:
+        return 0
     count = max(1, nbytes // itemsize)
     if OPS[op].split:
         count = max(n, math.ceil(count / n) * n)
@@ -144,6 +154,9 @@ def build(op: str, nbytes: int, dtype_name: str, rank: int, n: int) -> Workload:
     """This rank's workload for ``op`` at ``nbytes`` (nccl-tests' size, see the module doc)."""
     dtype = np.dtype(dtype_name)
     count = elements(op, nbytes, dtype.itemsize, n)
+    if op == "barrier":  # nothing to check but that it returns
+        empty = np.empty(0, dtype)
+        return Workload(op, 0, empty, empty, None, None, None, _reset=lambda: None, checked=False)
     part = count // n if OPS[op].split else count
     full = count * dtype.itemsize <= FULL_CHECK_BYTES
     tri = n * (n + 1) // 2

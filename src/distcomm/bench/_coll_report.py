@@ -7,18 +7,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._coll_ops import OPS
+from ._coll_targets import LIB_NAMES, RSS_FLAT_BYTES, check_targets
 from ._coll_worker import RSS_WARMUP
 
-#: The issue's targets: (op, minimum throughput ratio vs torch up to TARGET_SPLIT bytes, above).
-TARGETS = (
-    ("all_reduce", 1.5, 1.0),
-    ("broadcast", 1.5, 1.0),
-    ("all_gather_into_tensor", 1.5, 1.0),
-    ("reduce_scatter_tensor", 2.0, 2.0),
-)
-TARGET_SPLIT = 1 << 20
-#: RSS counts as flat when no rank grew by more than this over the rss phase's calls.
-RSS_FLAT_BYTES = 512 << 10
+
+def traffic_copies(n: int) -> float:
+    """Memory traffic of an ``n``-rank shared-memory all_reduce, in copies of the buffer.
+
+    Each rank copies its buffer in (1), reduces its 1/n slice reading n
+    slices and writing one (``(n + 1) / n`` buffers of traffic, half a copy's
+    read + write each: ``(n + 1) / (2 n)``), and copies every slice out (1).
+    """
+    return 2 + (n + 1) / (2 * n)
 
 
 def size_text(n: int) -> str:
@@ -77,6 +77,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                     "failed_reps": len(reps) - len(ok),
                     "wrong": wrong,
                     "iters": reps[0]["iters"] if reps else None,
+                    "busbw": None,
                 }
                 if reps:
                     row["nbytes"] = reps[0]["nbytes"]
@@ -95,6 +96,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             nbytes = row.get("nbytes")
             row["algbw"] = nbytes / ours if ours and nbytes else None
             row["busbw"] = row["algbw"] * OPS[op].factor(n) if row["algbw"] is not None else None
+            for lib in libs:
+                t = row["libs"][lib]["p50_s"]
+                row["libs"][lib]["busbw"] = nbytes / t * OPS[op].factor(n) if t and nbytes else None
             for lib in libs[1:]:
                 theirs = row["libs"][lib]["p50_s"]
                 row["ratio"][lib] = theirs / ours if theirs and ours else None
@@ -111,8 +115,44 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"{lib} rss phase failed: {r['error'].strip().splitlines()[-1][:300]}")
         elif r.get("wrong"):
             problems.append(f"{lib} rss phase: {r['wrong']} wrong all_reduce results")
-    return {"ops": ops, "targets": _targets(ops, rss, libs), "rss": rss,
+    membw = _membw_summary(results.get("membw"), n, ops.get("all_reduce", []))
+    if membw and membw.get("error"):
+        problems.append(f"membw phase failed: {membw['error'].strip().splitlines()[-1][:300]}")
+    elif membw and not membw["ok"]:
+        problems.append("membw phase: a copy did not arrive whole")
+    targets = check_targets(cfg.get("backend", "tcp"), n, libs, ops, rss, membw,
+                            cfg.get("membw_bytes", 64 << 20))
+    return {"ops": ops, "targets": targets, "rss": rss, "membw": membw,
             "problems": problems, "distcomm_failed": distcomm_failed}
+
+
+def _membw_summary(res: dict[str, Any] | None, n: int, all_reduce: list[dict[str, Any]]) -> dict | None:
+    """Copy bandwidth per process (median over copies) and the all_reduce ceiling it implies."""
+    if not res:
+        return None
+    if res.get("error"):
+        return {"error": res["error"], "nbytes": res.get("nbytes")}
+    nbytes = res["nbytes"]
+    per_proc = [nbytes / max(statistics.median(p["times"]), 1e-9) for p in res["ranks"]]
+    copy_bw = min(per_proc)  # the slower process bounds a collective that needs every rank
+    ceiling = traffic_copies(n) * nbytes / copy_bw
+    row = next((r for r in all_reduce if r["size"] == nbytes), None)
+    measured = row["libs"]["distcomm"]["p50_s"] if row else None
+    return {
+        "error": None,
+        "nbytes": nbytes,
+        "procs": len(per_proc),
+        "reps": len(res["ranks"][0]["times"]),
+        "copy_bw_per_proc": per_proc,
+        "copy_bw": copy_bw,
+        "traffic_copies": traffic_copies(n),
+        "ceiling_s": ceiling,
+        # busbw an all_reduce of any size would show at the ceiling
+        "ceiling_busbw": OPS["all_reduce"].factor(n) * copy_bw / traffic_copies(n),
+        "all_reduce_s": measured,
+        "fraction": ceiling / measured if measured else None,
+        "ok": all(p["ok"] for p in res["ranks"]),
+    }
 
 
 def _rss_summary(rss: dict[str, Any]) -> dict[str, Any]:
@@ -134,32 +174,6 @@ def _rss_summary(rss: dict[str, Any]) -> dict[str, Any]:
             "flat": max(growth) <= RSS_FLAT_BYTES,
         }
     return out
-
-
-def _targets(ops: dict[str, list[dict[str, Any]]], rss: dict[str, Any], libs: Sequence[str]) -> list[dict]:
-    targets: list[dict[str, Any]] = []
-    if "torch" in libs:
-        for op, low, high in TARGETS:
-            if op not in ops:
-                continue
-            missed = []
-            for row in ops[op]:
-                need = low if row["size"] <= TARGET_SPLIT else high
-                r = row["ratio"].get("torch")
-                if r is None or r < need:
-                    missed.append({"size": row["size"], "ratio": r, "need": need})
-            text = (f"{op} >= {low}x torch at every size" if low == high else
-                    f"{op} >= {low}x torch up to {size_text(TARGET_SPLIT)}, >= {high}x above")
-            targets.append({"target": text, "op": op, "met": not missed, "missed": missed})
-    if "distcomm" in rss:
-        r = rss["distcomm"]
-        growth = None if r.get("error") else max(r["growth"])
-        targets.append({
-            "target": f"distcomm RSS flat over the rss phase (growth <= {RSS_FLAT_BYTES // 1024} KiB per rank)",
-            "op": "rss", "met": growth is not None and r["flat"], "missed": [],
-            "growth": growth,
-        })
-    return targets
 
 
 def _ratio_text(r: float | None) -> str:
@@ -184,7 +198,7 @@ def format_results(results: dict[str, Any]) -> str:
         f"  time per call = p50 / p99 over iterations of the slowest rank's time; medians of {reps} "
         f"repetition{'s' if reps > 1 else ''}; x lib = lib's p50 / distcomm's p50 (above 1: distcomm faster)",
     ]
-    need = {op: (low, high) for op, low, high in TARGETS} if "torch" in libs else {}
+    below = {(m["op"], m["size"], t["vs"]) for t in summary["targets"] for m in t["missed"] if "op" in m}
     for op, rows in summary["ops"].items():
         info = OPS[op]
         cols = ["size", "iters", "p50", "p99", "algbw", "busbw"]
@@ -193,8 +207,8 @@ def format_results(results: dict[str, Any]) -> str:
         table = []
         for row in rows:
             mine = row["libs"]["distcomm"]
-            label = size_text(row["size"])
-            if row.get("nbytes") not in (None, row["size"]):
+            label = size_text(row["size"]) if info.moves_data else "-"
+            if info.moves_data and row.get("nbytes") not in (None, row["size"]):
                 label += f" ({size_text(row['nbytes'])})"
             cells = [label, str(row.get("iters", "-")), time_text(mine["p50_s"]), time_text(mine["p99_s"]),
                      bw_text(row["algbw"]), bw_text(row["busbw"])]
@@ -204,27 +218,21 @@ def format_results(results: dict[str, Any]) -> str:
                 theirs = row["libs"][lib]
                 t = time_text(theirs["p50_s"]) + (" !" if theirs["wrong"] or theirs["failed_reps"] else "")
                 r = _ratio_text(row["ratio"][lib])
-                if lib == "torch" and op in need and row["ratio"][lib] is not None:
-                    low, high = need[op]
-                    if row["ratio"][lib] < (low if row["size"] <= TARGET_SPLIT else high):
-                        r += " *"
+                if (op, row["size"], lib) in below:
+                    r += " *"
                 cells += [t, r]
             table.append(cells)
-        lines += ["", f"{op}  (size = {info.size_is}; busbw = algbw x {info.factor_text})"]
+        head = (f"size = {info.size_is}; busbw = algbw x {info.factor_text}" if info.moves_data
+                else "no data: time only, measured once")
+        lines += ["", f"{op}  ({head})"]
         lines += _table(cols, table)
+    membw = summary.get("membw")
+    if membw:
+        lines += ["", *_membw_lines(membw, cfg, n)]
     if summary["targets"]:
-        lines += ["", "targets (each: distcomm's throughput / torch gloo's, same size, same run; * above "
-                      "marks a size below its target):"]
-        for t in summary["targets"]:
-            if t["op"] == "rss":
-                g = "-" if t["growth"] is None else f"largest growth {t['growth'] / 1024:+.0f} KiB"
-                lines.append(f"  {t['target']}: {g} -> {'MET' if t['met'] else 'NOT MET'}")
-                continue
-            text = f"  {t['target']}: {'MET' if t['met'] else 'NOT MET'}"
-            if t["missed"]:
-                text += " (missed at " + ", ".join(
-                    f"{size_text(m['size'])}: {_ratio_text(m['ratio'])}" for m in t["missed"]) + ")"
-            lines.append(text)
+        lines += ["", f"targets for backend {cfg['backend']} (ratio = their p50 / distcomm's p50, same size, "
+                      "same run; * in the tables marks a size below its target):"]
+        lines += [f"  {_target_line(t)}" for t in summary["targets"]]
     if summary["rss"]:
         lines += ["", f"rss phase: resident memory of each rank before and after {cfg['rss_calls']:,} "
                       f"all_reduce calls of {cfg['rss_bytes']} B (after {RSS_WARMUP} warm-up calls)"]
@@ -250,6 +258,50 @@ def format_results(results: dict[str, Any]) -> str:
     lines += ["", f"elapsed {results.get('elapsed_s', 0):.0f} s; load average {_load(env.get('loadavg_start'))} "
                   f"at start, {_load(env.get('loadavg_end'))} at end"]
     return "\n".join(lines)
+
+
+def _membw_lines(m: dict[str, Any], cfg: dict[str, Any], n: int) -> list[str]:
+    size = size_text(m["nbytes"]) if m.get("nbytes") else "?"
+    if m.get("error"):
+        return [f"membw phase: FAILED: {m['error'].strip().splitlines()[-1][:200]}"]
+    per = ", ".join(bw_text(b) for b in m["copy_bw_per_proc"])
+    measured = m["all_reduce_s"]
+    result = (f"all_reduce {size}: {time_text(measured)}, ceiling {time_text(m['ceiling_s'])}, "
+              f"{m['fraction']:.0%} of ceiling" if measured else
+              f"all_reduce {size}: not measured in this run; ceiling {time_text(m['ceiling_s'])}")
+    return [
+        f"membw phase: {m['procs']} processes at once each copy {size} of float32 with np.copyto, "
+        f"{m['reps']} times; copy bandwidth per process (median): {per}",
+        f"  ceiling of a {n}-rank all_reduce = {m['traffic_copies']:.3g} copies x {size} / "
+        f"{bw_text(m['copy_bw'])} (the slower process) = {time_text(m['ceiling_s'])} "
+        f"(busbw {bw_text(m['ceiling_busbw'])})",
+        f"  {result}",
+    ]
+
+
+def _target_line(t: dict[str, Any]) -> str:
+    if t["met"] is None:
+        return f"{t['target']}: not checked ({t['why']})"
+    verdict = "MET" if t["met"] else "NOT MET"
+    if t["kind"] == "rss":
+        g = "-" if t["growth"] is None else f"largest growth {t['growth'] / 1024:+.0f} KiB"
+        return f"{t['target']}: {g} -> {verdict}"
+    if t["kind"] == "ceiling":
+        return f"{t['target']}: {t['fraction']:.0%} -> {verdict}"
+    text = f"{t['target']}: {verdict}"
+    if t["missed"]:
+        every = len({m["op"] for m in t["missed"]}) > 1 or t["op"] == "*"
+
+        def one(m: dict[str, Any]) -> str:
+            where = (f"{m['op']} " if every else "") + (size_text(m["size"]) if m["size"] else "-")
+            if m["ratio"] is None:
+                return f"{where}: no ratio"
+            if t["latency"]:
+                return f"{where}: {1 / m['ratio']:.2f}x {LIB_NAMES.get(t['vs'], t['vs'])}'s p50"
+            return f"{where}: {_ratio_text(m['ratio'])}"
+
+        text += " (missed at " + ", ".join(one(m) for m in t["missed"]) + ")"
+    return text
 
 
 def _table(cols: list[str], rows: list[list[str]]) -> list[str]:

@@ -15,17 +15,52 @@ the library's own function (``dist.all_reduce(x)``,
 from __future__ import annotations
 
 import gc
+import importlib
+import importlib.util
 import os
+import pkgutil
 import time
 from datetime import timedelta
 from functools import partial
 from multiprocessing import connection
 from typing import Any
 
+import numpy as np
+
 from ._coll_ops import Workload, build
 
 #: Calls before the first RSS sample of the memory phase.
 RSS_WARMUP = 100
+
+
+def backend_problem(name: str) -> str | None:
+    """None if ``name`` is a registered distcomm backend, else a one-line reason.
+
+    Backends register when their module is imported: ``import distcomm``
+    brings the built-in ones; a name still missing is looked for in
+    ``distcomm.backends.<name>``, then in every module of ``distcomm.backends``.
+    """
+    import distcomm
+    from distcomm import Backend
+
+    key = name.strip().lower()
+    if key and key in Backend.available():
+        return None
+    broken: list[str] = []
+    candidates = [f"distcomm.backends.{key}"] if key.isidentifier() else []
+    candidates += [f"distcomm.backends.{m.name}" for m in pkgutil.iter_modules(distcomm.backends.__path__)]
+    for module in dict.fromkeys(candidates):
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+            importlib.import_module(module)
+        except Exception as e:  # a backend under construction: say so, keep looking
+            broken.append(f"{module} failed to import: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        if key and key in Backend.available():
+            return None
+    why = f"unknown backend {name!r}; available: {', '.join(Backend.available())}"
+    return why + (f" ({'; '.join(broken)})" if broken else "")
 
 
 class _Distcomm:
@@ -34,10 +69,13 @@ class _Distcomm:
     def load(self) -> None:
         import distcomm  # noqa: F401
 
-    def setup(self, rank: int, size: int, url: str, timeout: float) -> None:
+    def setup(self, rank: int, size: int, url: str, timeout: float, backend: str = "tcp") -> None:
         import distcomm as dc
 
-        dc.init_process_group("tcp", init_method=url, rank=rank, world_size=size, timeout=timeout)
+        why = backend_problem(backend)
+        if why is not None:
+            raise RuntimeError(why)
+        dc.init_process_group(backend, init_method=url, rank=rank, world_size=size, timeout=timeout)
         self.dc = dc
 
     def teardown(self) -> None:
@@ -55,6 +93,7 @@ class _Distcomm:
             "all_gather_into_tensor": partial(dc.all_gather_into_tensor, w.out, w.inp),
             "reduce_scatter_tensor": partial(dc.reduce_scatter_tensor, w.out, w.inp),
             "all_to_all_single": partial(dc.all_to_all_single, w.out, w.inp),
+            "barrier": dc.barrier,
         }[w.op]
 
 
@@ -64,7 +103,7 @@ class _Torch:
     def load(self) -> None:
         import torch.distributed  # noqa: F401
 
-    def setup(self, rank: int, size: int, url: str, timeout: float) -> None:
+    def setup(self, rank: int, size: int, url: str, timeout: float, backend: str = "") -> None:
         import torch
         import torch.distributed as dist
 
@@ -92,6 +131,7 @@ class _Torch:
             "all_gather_into_tensor": partial(gather, out, inp),
             "reduce_scatter_tensor": partial(scatter, out, inp),
             "all_to_all_single": partial(dist.all_to_all_single, out, inp),
+            "barrier": dist.barrier,
         }[w.op]
 
 
@@ -101,7 +141,7 @@ class _Mpi:
     def load(self) -> None:
         from mpi4py import MPI  # noqa: F401
 
-    def setup(self, rank: int, size: int, url: str, timeout: float) -> None:
+    def setup(self, rank: int, size: int, url: str, timeout: float, backend: str = "") -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -128,6 +168,7 @@ class _Mpi:
             "all_gather_into_tensor": partial(c.Allgather, w.inp, w.out),
             "reduce_scatter_tensor": partial(c.Reduce_scatter_block, w.inp, w.out),
             "all_to_all_single": partial(c.Alltoall, w.inp, w.out),
+            "barrier": c.Barrier,
         }[w.op]
 
 
@@ -154,9 +195,9 @@ def prepare(conn: connection.Connection, lib: str) -> None:
 
 
 def setup(conn: connection.Connection, lib: str, rank: int, size: int, url: str,
-          timeout: float) -> None:
-    """Create the library's world group; answers this process's pid."""
-    LIBS[lib].setup(rank, size, url, timeout)
+          timeout: float, backend: str = "tcp") -> None:
+    """Create the library's world group (distcomm's with ``backend``); answers this process's pid."""
+    LIBS[lib].setup(rank, size, url, timeout, backend)
     _state.update(lib=lib, rank=rank, size=size)
     conn.send(("done", {"pid": os.getpid(), "rank": rank}))
 
@@ -239,3 +280,28 @@ def rss(conn: connection.Connection, lib: str, calls: int, nbytes: int, samples:
     conn.send(("done", {"initial": initial, "before": before, "after": after,
                         "samples": points, "wrong": wrong, "first_wrong": first,
                         "nbytes": w.count * w.inp.itemsize}))
+
+
+def membw(conn: connection.Connection, lib: str, nbytes: int, reps: int) -> None:
+    """Time ``reps`` copies of ``nbytes`` of float32 into another array (``np.copyto``).
+
+    Every rank does the same at once (a barrier of the library before each
+    copy), so the copies compete for memory bandwidth as a collective's do.
+    Answers ``{"times": [s per copy], "nbytes": bytes, "ok": bool}``.
+    """
+    adapter = LIBS[lib]
+    count = max(1, nbytes // 4)
+    src = np.arange(count, dtype=np.float32)  # written: every page is resident
+    dst = np.zeros(count, dtype=np.float32)
+    np.copyto(dst, src)  # warm-up: page tables, caches
+    clock = time.perf_counter
+    times = [0.0] * reps
+    for k in range(reps):
+        adapter.barrier()
+        t0 = clock()
+        np.copyto(dst, src)
+        times[k] = clock() - t0
+    adapter.barrier()
+    ok = bool(dst[0] == src[0] and dst[-1] == src[-1])
+    del src, dst
+    conn.send(("done", {"times": times, "nbytes": count * 4, "ok": ok}))

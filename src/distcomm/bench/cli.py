@@ -1,6 +1,6 @@
 """``distcomm bench NAME [options]``: one sub-command per benchmark.
 
-Each benchmark registers here in :data:`BENCHMARKS` with the module that
+Each benchmark (and ``plot``, which draws a saved collectives run) registers here in :data:`BENCHMARKS` with the module that
 defines its ``add_arguments(parser)`` and ``run(args) -> int``.
 """
 
@@ -17,7 +17,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "collectives": (
         "distcomm.bench.collectives",
-        "time per call of each collective, 8 B to 64 MiB (--compare torch, --compare mpi)",
+        "time per call of each collective, 8 B to 64 MiB (--compare torch, --compare mpi, --plot)",
+    ),
+    "plot": (
+        "distcomm.bench.plot",
+        "draw a 'bench collectives --json' file: busbw and p50 against size (needs matplotlib)",
     ),
 }
 

@@ -25,8 +25,16 @@ the other, in an order rotated every repetition (``--repeat``), so noise on
 the machine hits them alike; the summary holds medians over repetitions and
 throughput ratios ``their time / our time`` (above 1: distcomm is faster).
 
+``barrier`` moves no data: it is measured once per repetition, at size 0.
+
 The ``rss`` phase records each rank's resident memory before and after
-``--rss-calls`` small ``all_reduce`` calls.
+``--rss-calls`` small ``all_reduce`` calls.  The ``membw`` phase (on by
+default for the shared-memory backends) measures the memory-bandwidth
+ceiling on the spot: every distcomm rank process copies a ``--membw-size``
+float32 array with ``np.copyto`` at the same time, and the slower copy
+bandwidth bounds how fast an all_reduce through shared memory can be
+(:func:`._coll_report.traffic_copies`).  Targets per backend are a table
+(:mod:`._coll_targets`).  ``--plot`` draws the results (:mod:`.plot`).
 
 Any failure (an exception in a rank, a rank that dies, a measurement over
 ``--timeout``) becomes that measurement's error; that library's processes
@@ -61,8 +69,10 @@ from ._coll_ops import (
     default_iters,
     default_warmup,
     elements,
+    op_sizes,
 )
-from ._coll_report import format_results, size_text, summarize
+from ._coll_report import bw_text, format_results, size_text, summarize
+from ._coll_worker import backend_problem
 from ._procs import HelperError, Pool, gather
 
 __all__ = [
@@ -76,8 +86,9 @@ __all__ = [
 ]
 
 LIBRARIES = ("distcomm", "torch", "mpi")
-PHASES = ("timing", "rss")
-BACKENDS = ("tcp",)
+PHASES = ("timing", "rss", "membw")
+#: Backends whose default phases include membw (they move data through shared memory).
+MEMBW_BACKENDS = ("shm", "auto")
 _W = "distcomm.bench._coll_worker:"
 #: Seconds the main process grants beyond a measurement's own timeout.
 _GRACE = 30.0
@@ -100,19 +111,26 @@ class CollBenchConfig:
     warmup: int | None = None  # None: default_warmup(iters)
     repeat: int = 3
     timeout: float = 180.0
-    phases: tuple[str, ...] = PHASES
+    phases: tuple[str, ...] | None = None  # None: default_phases(backend)
     rss_calls: int = 10_000
     rss_bytes: int = 256
     rss_samples: int = 10
+    membw_bytes: int = 64 << 20
+    membw_reps: int = 7
+
+    def __post_init__(self) -> None:
+        if self.phases is None:
+            self.phases = default_phases(self.backend)
 
     def check(self) -> None:
-        """Raise ValueError naming the first bad setting."""
+        """Raise ValueError naming the first bad setting (the backend: a registered one)."""
         if not self.libs or self.libs[0] != "distcomm" or any(x not in LIBRARIES for x in self.libs):
             raise ValueError(f"libs must be distcomm followed by any of torch, mpi; got {self.libs}")
         if len(set(self.libs)) != len(self.libs):
             raise ValueError(f"libs repeat a library: {self.libs}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        why = backend_problem(self.backend)
+        if why is not None:
+            raise ValueError(f"--backend: {why}")
         if self.world_size < 2:
             raise ValueError(f"world size must be >= 2, got {self.world_size}")
         if not self.ops or any(op not in OPS for op in self.ops):
@@ -123,7 +141,7 @@ class CollBenchConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not self.phases or any(p not in PHASES for p in self.phases):
             raise ValueError(f"phases must be taken from {', '.join(PHASES)}; got {self.phases}")
-        for name in ("repeat", "rss_calls", "rss_bytes", "rss_samples"):
+        for name in ("repeat", "rss_calls", "rss_bytes", "rss_samples", "membw_bytes", "membw_reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.iters is not None and self.iters < 1:
@@ -140,6 +158,11 @@ class CollBenchConfig:
 
     def warmup_for(self, iters: int) -> int:
         return default_warmup(iters) if self.warmup is None else self.warmup
+
+
+def default_phases(backend: str) -> tuple[str, ...]:
+    """timing and rss; and membw for the shared-memory backends."""
+    return ("timing", "rss") + (("membw",) if backend.lower() in MEMBW_BACKENDS else ())
 
 
 # -- one library's ranks --------------------------------------------------------------------
@@ -185,7 +208,8 @@ class _Ranks:
             self.ranks = self._helpers()
             url = f"tcp://127.0.0.1:{_free_port()}"
             for r, h in enumerate(self.ranks):
-                h.send(_W + "setup", self.lib, r, self.cfg.world_size, url, self.cfg.timeout)
+                h.send(_W + "setup", self.lib, r, self.cfg.world_size, url, self.cfg.timeout,
+                       self.cfg.backend)
             self.info = gather(self.ranks, "done", time.monotonic() + self.cfg.timeout + _GRACE)
         except BaseException:
             self.reset()
@@ -290,6 +314,15 @@ def _rss(ranks: _Ranks, cfg: CollBenchConfig) -> dict[str, Any]:
     return {"error": None, "calls": cfg.rss_calls, "nbytes": parts[0]["nbytes"], "ranks": parts}
 
 
+def _membw(ranks: _Ranks, cfg: CollBenchConfig) -> dict[str, Any]:
+    try:
+        parts = ranks.call("membw", cfg.membw_bytes, cfg.membw_reps,
+                           timeout=cfg.timeout + _GRACE)
+    except HelperError as e:
+        return {"error": str(e), "nbytes": cfg.membw_bytes, "ranks": []}
+    return {"error": None, "nbytes": parts[0]["nbytes"], "ranks": parts}
+
+
 def _loadavg() -> list[float] | None:
     try:
         return list(os.getloadavg())
@@ -348,14 +381,15 @@ def run_collectives_benchmark(config: CollBenchConfig, progress: Progress | None
     """Run the configured phases; return every number (see :func:`summarize` for the summary).
 
     The result holds ``config``, ``environment``, ``runs`` (``runs[op][size][lib]``:
-    one entry per repetition), ``rss`` (``rss[lib]``), ``summary`` and
-    ``child_stderr`` (what the rank processes wrote).
+    one entry per repetition; barrier's only size is 0), ``rss`` (``rss[lib]``),
+    ``membw`` (None unless that phase ran), ``summary`` and ``child_stderr``
+    (what the rank processes wrote).
     """
     config.check()
     say = progress or (lambda _msg: None)
     libs = list(config.libs)
     timing = "timing" in config.phases
-    runs: dict[str, Any] = {op: {str(s): {lib: [] for lib in libs} for s in config.sizes}
+    runs: dict[str, Any] = {op: {str(s): {lib: [] for lib in libs} for s in op_sizes(op, config.sizes)}
                             for op in (config.ops if timing else ())}
     results: dict[str, Any] = {
         "benchmark": "collectives",
@@ -364,6 +398,7 @@ def run_collectives_benchmark(config: CollBenchConfig, progress: Progress | None
         "environment": _environment(libs),
         "runs": runs,
         "rss": {},
+        "membw": None,
         "loadavg_per_repetition": [],
     }
     log_dir = tempfile.mkdtemp(prefix="distcomm-bench-coll-")
@@ -377,6 +412,11 @@ def run_collectives_benchmark(config: CollBenchConfig, progress: Progress | None
                 ranks[lib].ensure()
             except HelperError as e:
                 say(f"  {lib}: could not start: {e}")
+        if "membw" in config.phases:
+            say(f"membw: {config.world_size} processes copy {size_text(config.membw_bytes)} "
+                f"at once, {config.membw_reps} times ...")
+            res = results["membw"] = _membw(ranks["distcomm"], config)
+            say("  " + (_membw_line(res) if res["error"] is None else f"FAILED: {res['error']}"))
         if "rss" in config.phases:
             for lib in libs:
                 say(f"rss: {lib}, {config.rss_calls:,} all_reduce calls of {config.rss_bytes} B ...")
@@ -387,13 +427,14 @@ def run_collectives_benchmark(config: CollBenchConfig, progress: Progress | None
             results["loadavg_per_repetition"].append(_loadavg())
             tag = f"[{rep + 1}/{config.repeat}]"
             for op in config.ops:
-                for size in config.sizes:
+                for size in op_sizes(op, config.sizes):
                     cells = []
                     for lib in order:
                         res = _measure(ranks[lib], op, size, config)
                         runs[op][str(size)][lib].append(res)
                         cells.append(f"{lib} {_cell(res)}")
-                    say(f"{tag} {op} {size_text(size)}: " + " | ".join(cells))
+                    label = size_text(size) if OPS[op].moves_data else "-"
+                    say(f"{tag} {op} {label}: " + " | ".join(cells))
         clean = True
     finally:  # on an exception (Ctrl-C included) the ranks are killed at once
         for lib in libs:
@@ -418,6 +459,13 @@ def _cell(res: dict[str, Any]) -> str:
 def _rss_line(res: dict[str, Any]) -> str:
     grow = [(p["after"] - p["before"]) / 1024 for p in res["ranks"]]
     return "growth per rank: " + ", ".join(f"{g:+.0f} KiB" for g in grow)
+
+
+def _membw_line(res: dict[str, Any]) -> str:
+    import statistics
+
+    bws = [res["nbytes"] / max(statistics.median(p["times"]), 1e-9) for p in res["ranks"]]
+    return "copy bandwidth per process: " + ", ".join(bw_text(b) for b in bws)
 
 
 def _log_summary(log_dir: str) -> dict[str, Any]:
@@ -516,7 +564,8 @@ def _iters(text: str) -> tuple[int | None, float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench collectives``."""
     d = CollBenchConfig()
-    parser.add_argument("--backend", choices=BACKENDS, default=d.backend, help="distcomm backend (default: tcp)")
+    parser.add_argument("--backend", default=d.backend, metavar="NAME",
+                        help="distcomm backend: any registered one, e.g. tcp, shm, auto (default: tcp)")
     parser.add_argument("-n", "--nproc", type=positive(int), default=d.world_size,
                         help=f"ranks per library (default: {d.world_size})")
     parser.add_argument("--compare", action="append", choices=["torch", "mpi"], default=[],
@@ -533,19 +582,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: iters/10, 2-50)")
     parser.add_argument("--repeat", type=positive(int), default=d.repeat,
                         help=f"interleaved repetitions; medians are reported (default: {d.repeat})")
-    parser.add_argument("--phases", type=_phases, default=d.phases, metavar="P,P",
-                        help="timing and/or rss (default: both)")
+    parser.add_argument("--phases", type=_phases, default=None, metavar="P,P,...",
+                        help="any of timing, rss, membw (default: timing,rss; and membw when the "
+                             "backend is shm or auto)")
     parser.add_argument("--rss", action="store_true", help="only the rss phase (same as --phases rss)")
     parser.add_argument("--rss-calls", type=positive(int), default=d.rss_calls,
                         help=f"all_reduce calls of the rss phase (default: {d.rss_calls})")
+    parser.add_argument("--membw-size", type=_one_size, default=d.membw_bytes, metavar="SIZE",
+                        help="array each process copies in the membw phase (default: 64MiB)")
     parser.add_argument("--timeout", type=positive(float), default=d.timeout,
                         help=f"seconds a measurement may take before it fails (default: {d.timeout:g})")
     parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw busbw and p50 against size for every library (needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``distcomm bench collectives``; exit 1 if a distcomm measurement failed or was wrong."""
+    from . import plot
+
     prog = "distcomm bench collectives"
+    phases = ("rss",) if args.rss else args.phases
+    if args.plot:
+        why = plot.plot_problem(args.plot)
+        if why is None and phases is not None and "timing" not in phases:
+            why = "there is nothing to draw without the timing phase"
+        if why is not None:
+            print(f"{prog}: --plot: {why}", file=sys.stderr)
+            return 2
     libs = ["distcomm"]
     for lib in args.compare:
         if lib in libs:
@@ -562,9 +626,18 @@ def run(args: argparse.Namespace) -> int:
         world_size=args.nproc, backend=args.backend, libs=tuple(libs), ops=tuple(args.ops),
         sizes=tuple(args.sizes), dtype=args.dtype, iters=iters, iters_scale=scale,
         warmup=args.warmup, repeat=args.repeat, timeout=args.timeout,
-        phases=("rss",) if args.rss else tuple(args.phases), rss_calls=args.rss_calls,
+        phases=None if phases is None else tuple(phases), rss_calls=args.rss_calls,
+        membw_bytes=args.membw_size,
     )
     results = run_bench(prog, config, run_collectives_benchmark, format_results, args.json)
     if results is None:
         return 2
-    return 1 if results["summary"]["distcomm_failed"] else 0
+    code = 1 if results["summary"]["distcomm_failed"] else 0
+    if args.plot:
+        try:
+            plot.write_plot(results, args.plot)
+        except OSError as e:
+            print(f"{prog}: --plot: cannot write {args.plot}: {e}", file=sys.stderr)
+            return code or 1
+        print(f"wrote {args.plot}")
+    return code

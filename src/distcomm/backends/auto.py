@@ -1,0 +1,172 @@
+"""Backend ``auto``, the default: shared memory within a machine, TCP between machines.
+
+The ranks tell each other, through the store, which machine (which
+/dev/shm) they are on.  When they all share one, the group is a
+:class:`~distcomm.backends.shm.ShmProcessGroup` and no data goes through
+TCP.  Otherwise each machine's ranks form a shared-memory group, the lowest
+rank of each machine is its *leader*, and the leaders form a TCP group:
+
+* ``all_reduce``: reduce within each machine to its leader, all-reduce among
+  the leaders, broadcast within each machine;
+* ``broadcast``: within the root's machine, then among the leaders, then
+  within every other machine;
+* ``barrier``: within, among leaders, within again;
+* ``reduce``: the hierarchical ``all_reduce`` (every rank computes the result;
+  the root keeps it);
+* everything else, and point-to-point, over a TCP group of all the ranks.
+
+``DISTCOMM_HOST_ID`` overrides the machine identity (tests use it to make
+one machine look like several).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..backend_registry import Backend, BackendFactory
+from ..deadline import Deadline
+from ..store import PrefixStore, Store
+from ..store.exchange import all_gather_strings
+from ..transport.shm_segment import host_key
+from .channel_group import ChannelAlgorithms, ChannelProcessGroup
+from .shm import ShmProcessGroup
+from .tcp import TcpProcessGroup, open_transport
+
+__all__ = ["AutoBackend", "HierarchicalProcessGroup", "machine_of"]
+
+
+def machine_of(store: Store, rank: int, size: int, timeout: float) -> list[str]:
+    """Every rank's machine identity (:func:`~distcomm.transport.shm_segment.host_key`), by rank."""
+    return all_gather_strings(store, rank, size, "machine", host_key(), timeout)
+
+
+class _Hierarchical:
+    """The algorithms of a group spread over machines (see the module docstring)."""
+
+    reduce_keeps_input = False
+
+    def __init__(self, local: ShmProcessGroup, leaders: ChannelAlgorithms | None, full: ChannelAlgorithms,
+                 machine: list[int], local_rank: list[int], leader_of: list[int]) -> None:
+        self.local = local.algorithms  # ShmCollectives
+        self.leaders = leaders
+        self.full = full
+        self.machine = machine  # group rank -> machine index (= the leaders' group rank)
+        self.local_rank = local_rank  # group rank -> rank within its machine
+        self.me = full.channel.rank
+        self.leader_of = leader_of  # machine index -> its leader's group rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.full, name)  # the collectives without a hierarchical form
+
+    def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
+        self.local.reduce(arr, combine, 0, seq, deadline)
+        if self.leaders is not None:
+            self.leaders.allreduce(arr, combine, seq, deadline)
+        self.local.broadcast(arr, 0, seq, deadline)
+
+    def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
+        self.allreduce(arr, combine, seq, deadline)
+
+    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
+        home = self.machine[root]
+        mine = self.machine[self.me]
+        if mine == home:
+            self.local.broadcast(arr, self.local_rank[root], seq, deadline)
+        if self.leaders is not None:
+            self.leaders.broadcast(arr, home, seq, deadline)
+        if mine != home:
+            self.local.broadcast(arr, 0, seq, deadline)
+
+    def barrier(self, seq: int, deadline: Deadline) -> None:
+        self.local.barrier(seq, deadline)
+        if self.leaders is not None:
+            self.leaders.barrier(seq, deadline)
+        self.local.barrier(seq, deadline)
+
+
+class HierarchicalProcessGroup(ChannelProcessGroup):
+    """A group whose ranks are on several machines."""
+
+    backend_name = "auto"
+
+    def __init__(self, store: Store, transport: Any, rank: int, ranks: list[int], machines: list[str],
+                 group_name: str, timeout: float, local_ranks: int) -> None:
+        order = list(dict.fromkeys(machines))  # machines in order of their lowest rank
+        machine = [order.index(m) for m in machines]
+        members = [[r for r in range(len(ranks)) if machine[r] == h] for h in range(len(order))]
+        local_rank = [members[machine[r]].index(r) for r in range(len(ranks))]
+        leader_of = [m[0] for m in members]
+        h = machine[rank]
+        self.transport = transport
+        self.local_ranks = local_ranks
+        self._parts: list[Any] = []
+        try:
+            local = ShmProcessGroup(PrefixStore(f"machine{h}", store), local_rank[rank], len(members[h]),
+                                    [ranks[r] for r in members[h]], f"{group_name}/machine{h}", timeout,
+                                    local_ranks)
+            self._parts.append(local)
+            leaders = None
+            if leader_of[h] == rank:
+                lpg = TcpProcessGroup(transport, [ranks[r] for r in leader_of], f"{group_name}/leaders",
+                                      timeout)
+                self._parts.append(lpg)
+                leaders = lpg.algorithms
+            full = TcpProcessGroup(transport, ranks, f"{group_name}/all", timeout)
+            self._parts.append(full)
+        except BaseException:
+            self._release_parts()
+            raise
+        algorithms = _Hierarchical(local, leaders, full.algorithms, machine, local_rank, leader_of)
+        super().__init__(full.channel, group_name, timeout, ranks, algorithms=algorithms)
+        self.machines = len(order)
+
+    def _cancel_pending(self, cause: BaseException) -> None:
+        for part in self._parts:
+            part._cancel_pending(cause)
+
+    def _abort_transport(self, cause: BaseException) -> None:
+        for part in self._parts:
+            part._abort_transport(cause)
+
+    def _release(self) -> None:
+        self._release_parts()
+
+    def _release_parts(self) -> None:
+        parts, self._parts = self._parts, []
+        for part in parts[::-1]:
+            part.shutdown()
+
+
+class AutoBackend(BackendFactory):
+    def __init__(self) -> None:
+        super().__init__("auto", None)  # type: ignore[arg-type]
+
+    def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None, **_: Any):
+        machines = machine_of(store, rank, size, timeout)
+        local_ranks = machines.count(machines[rank])
+        if len(set(machines)) == 1:
+            pg: Any = ShmProcessGroup(store, rank, size, list(range(size)), "default", timeout, local_ranks)
+        else:
+            transport = open_transport(store, rank, size, timeout, world)
+            pg = HierarchicalProcessGroup(store, transport, rank, list(range(size)), machines, "default",
+                                          timeout, local_ranks)
+        pg.backend_name = "auto"
+        return pg
+
+    def subgroup(self, world_pg: Any, store: Store, ranks: list[int], group_rank: int, name: str,
+                 timeout: float):
+        machines = machine_of(store, group_rank, len(ranks), timeout)
+        local_ranks = getattr(world_pg, "local_ranks", machines.count(machines[group_rank]))
+        if len(set(machines)) == 1:
+            pg: Any = ShmProcessGroup(store, group_rank, len(ranks), ranks, name, timeout, local_ranks)
+        else:
+            pg = HierarchicalProcessGroup(store, world_pg.transport, group_rank, ranks, machines, name,
+                                          timeout, local_ranks)
+        pg.backend_name = "auto"
+        return pg
+
+
+Backend.register_backend("auto", AutoBackend())
+Backend.register_alias("gloo", "auto")

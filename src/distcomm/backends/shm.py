@@ -1,0 +1,153 @@
+"""Backend ``shm``: every rank on one machine, collectives through shared memory.
+
+Each group maps one segment for its collectives (a control area and two
+slots per rank, :mod:`.shm_collectives`) and one for point-to-point
+messages (:class:`~distcomm.transport.shm_channel.ShmChannel`).  Both are
+created by the group's rank 0 and unlinked from /dev/shm as soon as every
+rank has mapped them, so no exit, crash or ``kill -9`` leaves a file behind.
+Each rank watches its peers' processes (pidfds): a rank that dies makes the
+others' waits fail within :data:`~distcomm.transport.shm_sync.NAP` seconds,
+naming it.
+
+``DISTCOMM_SHM_SLOT_BYTES`` sets the slot size (default 512 KiB: large
+collectives go through in rounds of one slot) and ``DISTCOMM_SHM_SMALL_BYTES``
+the largest ``all_reduce`` done in one phase by every rank (default 64 KiB).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ..backend_registry import Backend, BackendFactory
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistInputError
+from ..store import PrefixStore, Store
+from ..store.exchange import all_gather_strings
+from ..transport.shm_channel import ShmChannel
+from ..transport.shm_segment import Segment, host_key, open_shared
+from ..transport.shm_sync import LINE, Control, control_bytes
+from .channel_group import ChannelProcessGroup
+from .shm_collectives import ShmCollectives
+
+__all__ = ["ShmProcessGroup", "ShmBackend", "check_one_host"]
+
+
+def _env_bytes(name: str, default: int, low: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < low:
+        raise DistInputError(f"{name}={raw!r}: expected a whole number of bytes >= {low}")
+    return value
+
+
+def slot_bytes() -> int:
+    """Bytes of one slot (its header included), a multiple of 64."""
+    size = _env_bytes("DISTCOMM_SHM_SLOT_BYTES", 512 * 1024, 4096)
+    return (size + LINE - 1) // LINE * LINE
+
+
+class ShmProcessGroup(ChannelProcessGroup):
+    """A group whose ranks share this machine's memory."""
+
+    backend_name = "shm"
+
+    def __init__(self, store: Store, rank: int, size: int, ranks: list[int], group_name: str,
+                 timeout: float, local_ranks: int) -> None:
+        self.local_ranks = local_ranks
+        slot = slot_bytes()
+        small = _env_bytes("DISTCOMM_SHM_SMALL_BYTES", 64 * 1024, 0)
+        ctl_bytes = (control_bytes(size) + LINE - 1) // LINE * LINE
+
+        def describe(r: int) -> str:
+            return f"rank {ranks[r]}" if ranks[r] == r else f"rank {ranks[r]} (group rank {r})"
+
+        self._segment: Segment | None = None
+        self._control: Control | None = None
+        channel = None
+        try:
+            self._segment = open_shared(store, rank, size, "coll", ctl_bytes + 2 * size * slot, timeout)
+            mem = self._segment.buf
+            self._control = Control(mem[:ctl_bytes], rank, size, describe, local_ranks, ranks)
+            pids = all_gather_strings(store, rank, size, "pids", str(os.getpid()), timeout)
+            self._control.watch({r: int(p) for r, p in enumerate(pids)})
+            slots = [
+                [np.frombuffer(mem, np.uint8, slot, ctl_bytes + (2 * r + b) * slot) for b in (0, 1)]
+                for r in range(size)
+            ]
+            collectives = ShmCollectives(self._control, slots, small)
+            channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
+                                      describe=describe, local_ranks=local_ranks)
+        except BaseException:
+            self._close_memory()
+            raise
+        super().__init__(channel, group_name, timeout, ranks, algorithms=collectives)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def _cancel_pending(self, cause: BaseException) -> None:
+        if self._control is not None:
+            self._control.cancel(cause)
+        super()._cancel_pending(cause)
+
+    def _abort_transport(self, cause: BaseException) -> None:
+        if self._control is not None:
+            culprit = getattr(cause, "peer", None)
+            self._control.abort(self._rank, culprit if isinstance(culprit, int) else None)
+            self._control.cancel(cause)
+        super()._abort_transport(cause)
+
+    def _release(self) -> None:
+        super()._release()
+        self.algorithms = None
+        self._close_memory()
+
+    def _close_memory(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+
+def check_one_host(store: Store, rank: int, size: int, timeout: float) -> None:
+    """Raise on every rank unless all ``size`` ranks share this machine's /dev/shm."""
+    keys = all_gather_strings(store, rank, size, "host", host_key(), timeout)
+    hosts = sorted(set(keys))
+    if len(hosts) > 1:
+        # every rank fails; rank 0 (which may host the store) waits until all have read
+        if store.add("host/read", 1) < size and rank == 0:
+            deadline = Deadline(timeout)
+            while store.add("host/read", 0) < size and deadline.remaining() > 0:
+                time.sleep(0.01)
+        groups = [[r for r, k in enumerate(keys) if k == h] for h in hosts]
+        raise DistBackendError(
+            f"backend 'shm' needs every rank on one machine, but the ranks are on "
+            f"{len(hosts)} machines ({'; '.join(str(g) for g in groups)}); use backend 'auto' or 'tcp'"
+        )
+
+
+class ShmBackend(BackendFactory):
+    def __init__(self) -> None:
+        super().__init__("shm", None)  # type: ignore[arg-type]
+
+    def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None, **_: Any):
+        check_one_host(store, rank, size, timeout)
+        return ShmProcessGroup(store, rank, size, list(range(size)), "default", timeout, local_ranks=size)
+
+    def subgroup(self, world_pg: Any, store: Store, ranks: list[int], group_rank: int, name: str,
+                 timeout: float):
+        check_one_host(store, group_rank, len(ranks), timeout)
+        local = getattr(world_pg, "local_ranks", len(ranks))
+        return ShmProcessGroup(store, group_rank, len(ranks), ranks, name, timeout, local_ranks=local)
+
+
+Backend.register_backend("shm", ShmBackend())

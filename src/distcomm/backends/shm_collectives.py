@@ -1,0 +1,375 @@
+"""Collectives in shared memory: every rank reads its peers' slots directly.
+
+Each rank owns two slot buffers in the group's segment and one counter (see
+:mod:`distcomm.transport.shm_sync`).  A collective is a sequence of
+*phases*, numbered across the group's life; in every phase every rank
+posts the phase number exactly once, which means "my data for this phase is
+in my slot and I have finished reading everything of earlier phases".  So:
+
+* before writing one of its slots a rank waits until every peer has posted
+  the phase after the last one in which peers read that slot (``_free_at``);
+* before reading a peer's slot it waits for the peer's post of the phase.
+
+Writers alternate between their two slots, so a rank can fill its next slot
+while slow peers still read the previous one: a small ``all_reduce`` is one
+phase (write, post, wait, every rank reduces all slots itself, in rank order
+so every rank gets the same bits) with no trailing barrier.  Large arrays go
+through in rounds of one slot: ``all_reduce`` as a reduce-scatter (rank r
+reduces slice r of every slot into its own slot) and an allgather (everyone
+copies the reduced slices out), two phases per round; the others one phase
+per round.  Which slot a rank uses next is tracked for every rank by every
+rank (``_next``): all ranks run the same phases, so they agree.
+
+A size mismatch between ranks cannot write outside the caller's arrays and
+the segment: each rank reads at most what its own arguments say, within the
+peer's slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..deadline import Deadline
+from ..transport.shm_sync import Control
+
+__all__ = ["ShmCollectives", "HEADER"]
+
+Combine = Callable[[np.ndarray, np.ndarray], None]
+#: Bytes at the start of each slot kept for a small header (all_to_all's "more to come").
+HEADER = 64
+
+
+def _bounds(count: int, n: int, i: int) -> tuple[int, int]:
+    q, rem = divmod(count, n)
+    lo = i * q + min(i, rem)
+    return lo, lo + q + (1 if i < rem else 0)
+
+
+def _flat(arr: np.ndarray) -> np.ndarray:
+    return arr.reshape(-1)
+
+
+class ShmCollectives:
+    """The collectives of one shared-memory group, seen from one rank.
+
+    ``slots[r][b]`` are the byte arrays of rank r's two slots (each
+    ``slot_bytes`` long, the first :data:`HEADER` bytes reserved).  Methods
+    take 1-D contiguous arrays and work in place like
+    :mod:`distcomm.algorithms`; ``seq`` is accepted for the same signature
+    (phases order everything here).
+    """
+
+    #: ``reduce`` leaves non-root inputs untouched (no staging copy needed).
+    reduce_keeps_input = True
+
+    def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int) -> None:
+        self.ctl = control
+        self.rank = control.rank
+        self.size = control.size
+        self.slots = slots
+        self.slot_bytes = len(slots[0][0]) - HEADER
+        self.small_bytes = min(small_bytes, self.slot_bytes)
+        self._phase = 0
+        self._next = [0] * self.size  # the slot each rank writes next
+        self._free_at = [0, 0]  # my slot b is free once every rank posted this phase
+        self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}
+        self._headers = [[s[:8].view(np.int64) for s in pair] for pair in slots]
+
+    # -- phase machinery ----------------------------------------------------------------
+    def _views(self, dtype: np.dtype) -> list[list[np.ndarray]]:
+        views = self._typed.get(dtype)
+        if views is None:
+            n = self.slot_bytes // dtype.itemsize
+            views = self._typed[dtype] = [
+                [s[HEADER : HEADER + n * dtype.itemsize].view(dtype) for s in pair] for pair in self.slots
+            ]
+        return views
+
+    def _begin(self) -> int:
+        self._phase += 1
+        return self._phase
+
+    def _all_write(self, deadline: Deadline) -> list[int]:
+        """Every rank writes a slot this phase: which one each uses (mine is made free)."""
+        used = self._next
+        self._next = [b ^ 1 for b in used]
+        self.ctl.wait_all(self._free_at[used[self.rank]], deadline)
+        return used
+
+    def _one_writes(self, writer: int, deadline: Deadline) -> int:
+        b = self._next[writer]
+        self._next[writer] = b ^ 1
+        if writer == self.rank:
+            self.ctl.wait_all(self._free_at[b], deadline)
+        return b
+
+    def _others_write(self, reader: int, deadline: Deadline) -> list[int]:
+        """Every rank but ``reader`` writes a slot this phase."""
+        used = list(self._next)
+        for r in range(self.size):
+            if r != reader:
+                self._next[r] ^= 1
+        if self.rank != reader:
+            self.ctl.wait_all(self._free_at[used[self.rank]], deadline)
+        return used
+
+    def _read_until(self, b: int, phase: int) -> None:
+        """Peers read my slot ``b`` up to ``phase``."""
+        self._free_at[b] = phase + 1
+
+    def _others(self):
+        n, r = self.size, self.rank
+        return [(r + k) % n for k in range(1, n)]
+
+    # -- collectives ------------------------------------------------------------------------
+    def barrier(self, seq: int, deadline: Deadline) -> None:
+        q = self._begin()
+        self.ctl.post(q)
+        self.ctl.wait_all(q, deadline)
+
+    def allreduce(self, arr: np.ndarray, combine: Combine, seq: int, deadline: Deadline) -> None:
+        arr = _flat(arr)
+        if self.size == 1 or arr.size == 0:
+            return
+        if arr.nbytes <= self.small_bytes:
+            self._allreduce_small(arr, combine, deadline)
+        else:
+            self._allreduce_large(arr, combine, deadline)
+
+    def _allreduce_small(self, arr: np.ndarray, combine: Combine, deadline: Deadline) -> None:
+        views = self._views(arr.dtype)
+        count = arr.size
+        q = self._begin()
+        used = self._all_write(deadline)
+        me = self.rank
+        views[me][used[me]][:count] = arr
+        self.ctl.post(q)
+        self.ctl.wait_all(q, deadline)
+        arr[:] = views[0][used[0]][:count]
+        for j in range(1, self.size):
+            combine(arr, views[j][used[j]][:count])
+        self._read_until(used[me], q)
+
+    def _allreduce_large(self, arr: np.ndarray, combine: Combine, deadline: Deadline) -> None:
+        views = self._views(arr.dtype)
+        n, me = self.size, self.rank
+        per = len(views[0][0])
+        others = self._others()
+        for lo in range(0, arr.size, per):
+            chunk = arr[lo : lo + per]
+            m = chunk.size
+            q = self._begin()
+            used = self._all_write(deadline)
+            mine = views[me][used[me]]
+            mine[:m] = chunk
+            self.ctl.post(q)
+            s0, s1 = _bounds(m, n, me)
+            acc = mine[s0:s1]
+            for j in others:
+                self.ctl.wait(j, q, deadline)
+                combine(acc, views[j][used[j]][s0:s1])
+            q2 = self._begin()
+            self.ctl.post(q2)
+            chunk[s0:s1] = acc
+            for j in others:
+                self.ctl.wait(j, q2, deadline)
+                j0, j1 = _bounds(m, n, j)
+                chunk[j0:j1] = views[j][used[j]][j0:j1]
+            self._read_until(used[me], q2)
+
+    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
+        data = _flat(arr).view(np.uint8)
+        if self.size == 1 or data.size == 0:
+            return
+        per = self.slot_bytes
+        me = self.rank
+        for lo in range(0, data.size, per):
+            part = data[lo : lo + per]
+            q = self._begin()
+            b = self._one_writes(root, deadline)
+            slot = self.slots[root][b][HEADER : HEADER + part.size]
+            if me == root:
+                slot[:] = part
+                self.ctl.post(q)
+                self._read_until(b, q)
+            else:
+                self.ctl.post(q)
+                self.ctl.wait(root, q, deadline)
+                part[:] = slot
+
+    def reduce(self, arr: np.ndarray, combine: Combine, root: int, seq: int, deadline: Deadline) -> None:
+        """Reduce into ``arr`` at ``root``; other ranks' ``arr`` is only read."""
+        arr = _flat(arr)
+        if self.size == 1 or arr.size == 0:
+            return
+        views = self._views(arr.dtype)
+        per = len(views[0][0])
+        me = self.rank
+        for lo in range(0, arr.size, per):
+            chunk = arr[lo : lo + per]
+            m = chunk.size
+            q = self._begin()
+            used = self._others_write(root, deadline)
+            if me != root:
+                views[me][used[me]][:m] = chunk
+                self.ctl.post(q)
+                self._read_until(used[me], q)
+                continue
+            self.ctl.post(q)
+            for j in range(self.size):
+                if j != root:
+                    self.ctl.wait(j, q, deadline)
+                    combine(chunk, views[j][used[j]][:m])
+
+    def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
+        """Block r of ``out`` (even blocks) holds this rank's data; fill the others."""
+        out = _flat(out)
+        n = self.size
+        if n == 1 or out.size == 0:
+            return
+        m = out.size // n
+        self._gather_rounds(out, m, None, deadline)
+
+    def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
+               deadline: Deadline) -> None:
+        send = _flat(send)
+        if self.size == 1:
+            if out is not None and send.size:
+                _flat(out)[: send.size] = send
+            return
+        if send.size == 0:
+            return
+        if self.rank == root:
+            out = _flat(out)
+            m = send.size
+            out[root * m : (root + 1) * m] = send
+            self._gather_rounds(out, m, root, deadline)
+        else:
+            self._gather_rounds(send, send.size, root, deadline, own=send)
+
+    def _gather_rounds(self, out: np.ndarray, m: int, root: int | None, deadline: Deadline,
+                       own: np.ndarray | None = None) -> None:
+        """Every rank's block of ``m`` elements to every rank (root None) or to ``root``.
+
+        ``own`` is this rank's block when ``out`` is not the full result (non-roots).
+        """
+        views = self._views(out.dtype)
+        me = self.rank
+        if own is None:
+            own = out[me * m : (me + 1) * m]
+        per = len(views[0][0])
+        others = self._others()
+        for lo in range(0, m, per):
+            k = min(per, m - lo)
+            q = self._begin()
+            writes = root is None or me != root
+            used = self._all_write(deadline) if root is None else self._others_write(root, deadline)
+            if writes:
+                views[me][used[me]][:k] = own[lo : lo + k]
+            self.ctl.post(q)
+            if writes:
+                self._read_until(used[me], q)
+            if root is not None and me != root:
+                continue
+            for j in others:
+                self.ctl.wait(j, q, deadline)
+                out[j * m + lo : j * m + lo + k] = views[j][used[j]][:k]
+
+    def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
+                deadline: Deadline) -> None:
+        out = _flat(out)
+        n, me = self.size, self.rank
+        m = out.size
+        if me == root:
+            buf = _flat(buf)
+            out[:] = buf[root * m : (root + 1) * m]
+        if n == 1 or m == 0:
+            return
+        views = self._views(out.dtype)
+        per = len(views[0][0]) // n
+        for lo in range(0, m, per):
+            k = min(per, m - lo)
+            q = self._begin()
+            b = self._one_writes(root, deadline)
+            slot = views[root][b]
+            if me == root:
+                for d in range(n):
+                    if d != root:
+                        slot[d * per : d * per + k] = buf[d * m + lo : d * m + lo + k]
+                self.ctl.post(q)
+                self._read_until(b, q)
+            else:
+                self.ctl.post(q)
+                self.ctl.wait(root, q, deadline)
+                out[lo : lo + k] = slot[me * per : me * per + k]
+
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Combine, seq: int,
+                       deadline: Deadline) -> None:
+        """``out`` = block r of the reduction of every rank's ``inp`` (n even blocks)."""
+        out, inp = _flat(out), _flat(inp)
+        n, me = self.size, self.rank
+        m = out.size
+        out[:] = inp[me * m : (me + 1) * m]
+        if n == 1 or m == 0:
+            return
+        views = self._views(out.dtype)
+        per = len(views[0][0]) // n
+        others = self._others()
+        for lo in range(0, m, per):
+            k = min(per, m - lo)
+            q = self._begin()
+            used = self._all_write(deadline)
+            slot = views[me][used[me]]
+            for d in others:
+                slot[d * per : d * per + k] = inp[d * m + lo : d * m + lo + k]
+            self.ctl.post(q)
+            acc = out[lo : lo + k]
+            for j in range(n):
+                if j != me:
+                    self.ctl.wait(j, q, deadline)
+                    combine(acc, views[j][used[j]][me * per : me * per + k])
+            self._read_until(used[me], q)
+
+    def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
+                 send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
+        """Block j of ``send`` to rank j; rank j's block for me into block j of ``recv``.
+
+        Rounds go on while any rank has more to send; each slot's header says
+        how much its writer still has after this round.
+        """
+        send, recv = _flat(send), _flat(recv)
+        n, me = self.size, self.rank
+        s_off = np.concatenate(([0], np.cumsum(send_counts))).tolist()
+        r_off = np.concatenate(([0], np.cumsum(recv_counts))).tolist()
+        recv[r_off[me] : r_off[me + 1]] = send[s_off[me] : s_off[me + 1]]
+        if n == 1:
+            return
+        views = self._views(send.dtype)
+        per = len(views[0][0]) // n
+        others = self._others()
+        lo = 0
+        while True:
+            q = self._begin()
+            used = self._all_write(deadline)
+            slot = views[me][used[me]]
+            left = 0
+            for d in others:
+                k = max(0, min(per, send_counts[d] - lo))
+                if k:
+                    slot[d * per : d * per + k] = send[s_off[d] + lo : s_off[d] + lo + k]
+                left = max(left, send_counts[d] - lo - k)
+            self._headers[me][used[me]][0] = left
+            self.ctl.post(q)
+            more = left > 0
+            for j in others:
+                self.ctl.wait(j, q, deadline)
+                k = max(0, min(per, recv_counts[j] - lo))
+                if k:
+                    recv[r_off[j] + lo : r_off[j] + lo + k] = views[j][used[j]][me * per : me * per + k]
+                more = more or self._headers[j][used[j]][0] > 0
+            self._read_until(used[me], q)
+            if not more:
+                return
+            lo += per

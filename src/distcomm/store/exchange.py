@@ -1,0 +1,34 @@
+"""``all_gather_strings``: every rank's short string to every rank, through a store.
+
+Used while groups are being set up (host names, pids), before any channel
+exists.  Each rank appends ``"rank=value;"`` to one key and counts itself
+in; the last to arrive marks it complete, and everyone reads the key once:
+O(n) store operations in all, however many ranks there are.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from ..errors import DistInputError
+from .base import Store
+
+__all__ = ["all_gather_strings"]
+
+
+def all_gather_strings(store: Store, rank: int, size: int, name: str, value: str,
+                       timeout: float) -> list[str]:
+    """Every rank's ``value`` (no ``;`` or ``=``), indexed by rank; all ranks call it."""
+    if ";" in value or "=" in value:
+        raise DistInputError(f"exchanged value {value!r} must not contain ';' or '='")
+    key = f"exchange/{name}"
+    store.append(key, f"{rank}={value};".encode())
+    if store.add(f"{key}/count", 1) == size:
+        store.set(f"{key}/done", b"")
+    store.wait([f"{key}/done"], timedelta(seconds=timeout))
+    out = [""] * size
+    for item in store.get(key).decode().split(";"):
+        if item:
+            r, v = item.split("=", 1)
+            out[int(r)] = v
+    return out

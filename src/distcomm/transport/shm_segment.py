@@ -1,0 +1,225 @@
+"""Shared-memory segments in /dev/shm, owned by the process that creates them.
+
+A segment is a file ``/dev/shm/distcomm-<pid>-<token>-<label>`` mapped with
+``mmap``.  Its creator (the owner) checks that /dev/shm has room, refuses to
+overwrite an existing file, and reserves the pages up front (so a full
+/dev/shm is an error at creation, not a SIGBUS later).  Peers attach by name.
+
+The usual life of a group's segment: the owner creates it, every peer
+attaches, and the owner unlinks the name at once; the mapping lives on in
+every process and the memory is freed when the last one unmaps or dies, so
+even ``kill -9`` leaves nothing in /dev/shm.  A file left by a process that
+died in the short window before the unlink carries its creator's pid in its
+name: :func:`reclaim_leftovers` removes such files once their creator is gone
+and they are old enough not to belong to a job still starting up.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import time
+
+from ..errors import DistBackendError
+
+__all__ = ["Segment", "SHM_DIR", "host_key", "open_shared", "reclaim_leftovers"]
+
+SHM_DIR = os.environ.get("DISTCOMM_SHM_DIR", "/dev/shm")
+_NAME = re.compile(r"^distcomm-(\d+)-[0-9a-f]+-[\w.]+$")
+#: Leftovers younger than this are never reclaimed (their job may still be starting).
+RECLAIM_MIN_AGE = 60.0
+
+
+class Segment:
+    """A mapped shared-memory file.  ``buf`` is its writable memoryview."""
+
+    def __init__(self, name: str, size: int, fd: int, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self.owner = owner
+        try:
+            self._map = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._map) if self._map is not None else memoryview(b"")
+        self._linked = owner
+
+    @property
+    def path(self) -> str:
+        return os.path.join(SHM_DIR, self.name)
+
+    @classmethod
+    def create(cls, label: str, size: int, token: str) -> Segment:
+        """A new segment of ``size`` bytes; one-line errors for no room or a name taken."""
+        reclaim_leftovers()
+        name = f"distcomm-{os.getpid()}-{token}-{label}"
+        path = os.path.join(SHM_DIR, name)
+        free = free_bytes()
+        if size > free:
+            raise DistBackendError(
+                f"{SHM_DIR} has {_mib(free)} free but the shared-memory backend needs "
+                f"{_mib(size)} for segment {name!r}; free space in {SHM_DIR}, enlarge it "
+                "(docker: --shm-size), or use backend 'tcp'"
+            )
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise DistBackendError(
+                f"shared-memory segment {path} already exists and is not this process's; "
+                "refusing to overwrite it"
+            ) from None
+        try:
+            os.ftruncate(fd, size)
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            raise DistBackendError(
+                f"could not reserve {_mib(size)} in {SHM_DIR} for {name!r} "
+                f"({_mib(free_bytes())} free): {e.strerror}"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        try:
+            return cls(name, size, fd, owner=True)
+        except BaseException:
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> Segment:
+        """Map the existing segment ``name`` (made by another process)."""
+        if not _NAME.match(name):
+            raise DistBackendError(f"{name!r} is not a distcomm shared-memory segment name")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise DistBackendError(f"shared-memory segment {path} is gone (its owner exited?)") from None
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            os.close(fd)
+            raise DistBackendError(f"shared-memory segment {path} has {actual} bytes; expected {size}")
+        return cls(name, size, fd, owner=False)
+
+    def unlink(self) -> None:
+        """Remove the name (owner only; the mapping stays valid).  Idempotent."""
+        if self.owner and self._linked:
+            self._linked = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unlink (if owner) and unmap.  Views into ``buf`` must be dropped first;
+        if some are still alive the mapping is left to the garbage collector."""
+        self.unlink()
+        try:
+            self.buf.release()
+        except BufferError:
+            return  # NumPy views still use it; unmapped when the last of them dies
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a NumPy view still uses it; unmapped when that view dies
+
+
+def free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_leftovers(min_age: float = RECLAIM_MIN_AGE) -> list[str]:
+    """Unlink segments whose creator is dead and that are older than ``min_age`` s."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        m = _NAME.match(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if now - os.stat(path).st_mtime >= min_age:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def open_shared(store, rank: int, size: int, label: str, nbytes: int, timeout: float) -> Segment:
+    """One segment shared by the ``size`` ranks that use ``store`` (a prefixed store
+    of their own): rank 0 creates it, the others attach, and once all have it
+    mapped rank 0 unlinks its name, so nothing is left in /dev/shm even if a
+    process is killed later.  Every rank must call this with the same arguments.
+    """
+    from datetime import timedelta
+
+    key = f"shm/{label}"
+    wait = timedelta(seconds=timeout)
+    if rank == 0:
+        seg = Segment.create(label, nbytes, os.urandom(6).hex())
+        try:
+            store.set(key, seg.name)
+            if size > 1:
+                store.wait([f"{key}/attached/{size - 1}"], wait)
+        except BaseException:
+            seg.close()
+            raise
+        seg.unlink()
+        return seg
+    store.wait([key], wait)
+    seg = Segment.attach(store.get(key).decode(), nbytes)
+    try:
+        n = store.add(f"{key}/attached", 1)
+        store.set(f"{key}/attached/{n}", b"")
+    except BaseException:
+        seg.close()
+        raise
+    return seg
+
+
+def host_key() -> str:
+    """Equal for two processes exactly when they share this machine's /dev/shm.
+
+    ``DISTCOMM_HOST_ID`` overrides it (tests make one machine look like several).
+    """
+    forced = os.environ.get("DISTCOMM_HOST_ID")
+    if forced:
+        return forced.replace(";", "_").replace("=", "_")
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        import socket
+
+        boot = socket.gethostname()
+    try:
+        dev = os.stat(SHM_DIR).st_dev
+    except OSError:
+        dev = 0
+    return f"{boot}:{dev}"

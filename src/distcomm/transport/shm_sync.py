@@ -1,0 +1,253 @@
+"""Sequence-number flags in shared memory: post, and wait (spin, yield, block).
+
+Every rank of a shared-memory group owns one 64-bit counter that only it
+writes and that only grows.  ``post(v)`` publishes ``v``; a peer waits until
+the counter reaches a target.  A wait spins briefly (a peer on another core
+answers within microseconds), then yields the CPU, then sleeps in the kernel
+on a futex over the counter's low 32 bits; a post wakes the counter's futex
+only when some rank says it is asleep.  With more ranks than cores the
+spinning is cut short so a descheduled peer gets the CPU.
+
+Sleeps are bounded (:data:`NAP`), so a lost wake-up costs at most a nap and
+every nap is a chance to notice that the awaited peer's process died (a
+pidfd per peer), that a peer aborted the group, or that this rank cancelled.
+
+The layout (``Control``) is one 64-byte header line (the abort word), one
+line of "asleep" flags, then one line per rank (its counter).
+x86-64 keeps stores in order, so data written before a post is visible to
+whoever sees the post.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import select
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistTimeoutError
+
+__all__ = ["Control", "control_bytes", "futex_wait", "futex_wake", "HAVE_FUTEX"]
+
+LINE = 64
+#: Longest single sleep (s): bounds a lost wake-up and the time to notice a dead peer.
+NAP = 0.05
+
+# -- futex --------------------------------------------------------------------------------
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
+HAVE_FUTEX = sys.platform.startswith("linux") and _SYS_FUTEX is not None
+if HAVE_FUTEX:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _syscall = _libc.syscall
+    _syscall.restype = ctypes.c_long
+
+    class _Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(addr: int, expected: int, timeout: float) -> None:
+    """Sleep while the 32-bit word at ``addr`` equals ``expected`` (at most ``timeout`` s)."""
+    if not HAVE_FUTEX:
+        time.sleep(min(timeout, 0.0005))
+        return
+    ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
+    _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), 0, ctypes.c_int(expected), ctypes.byref(ts), None, 0)
+
+
+def futex_wake(addr: int) -> None:
+    """Wake every sleeper on the 32-bit word at ``addr``."""
+    if HAVE_FUTEX:
+        _syscall(_SYS_FUTEX, ctypes.c_void_p(addr), 1, ctypes.c_int(0x7FFFFFFF), None, None, 0)
+
+
+def control_bytes(size: int) -> int:
+    """Bytes of the control area of a group of ``size`` ranks."""
+    asleep_lines = (size * 4 + LINE - 1) // LINE
+    return LINE * (1 + asleep_lines + size)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _PeerWatch:
+    """Whether peers' processes are alive: pidfds where the kernel has them."""
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self._pids = pids
+        self._fds: dict[int, int] = {}
+        for rank, pid in pids.items():
+            try:
+                self._fds[rank] = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                pass
+
+    def dead(self, rank: int) -> bool:
+        fd = self._fds.get(rank)
+        if fd is not None:
+            return bool(select.select([fd], [], [], 0)[0])
+        pid = self._pids.get(rank)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+class Control:
+    """The flags of one shared-memory group, seen from one rank."""
+
+    def __init__(
+        self, mem: memoryview, rank: int, size: int, describe: Callable[[int], str] | None = None,
+        local_ranks: int | None = None, ranks: list[int] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        raw = np.frombuffer(mem, np.uint8, control_bytes(size))
+        self._header = raw[:LINE].view(np.int64)
+        asleep_end = LINE + ((size * 4 + LINE - 1) // LINE) * LINE
+        self._asleep = raw[LINE : LINE + size * 4].view(np.int32)
+        lines = raw[asleep_end:].view(np.int64).reshape(size, LINE // 8)
+        self.counters = lines[:, 0]
+        base = raw.ctypes.data + asleep_end
+        self._addr = [base + r * LINE for r in range(size)]
+        self._describe = describe or (lambda r: f"rank {r}")
+        self._global = ranks or list(range(size))  # group rank -> the rank errors name as ``peer``
+        self._watch: _PeerWatch | None = None
+        self._cancelled: BaseException | None = None
+        self._seen_all = 0  # every counter was >= this when last looked at
+        crowded = (local_ranks or size) > _cpus()
+        #: Seconds of spinning, then of yielding, before a wait sleeps.
+        self.spin_s = 0.0 if crowded else 0.0003
+        self.yield_s = 0.0002 if crowded else 0.002
+
+    # -- setup ------------------------------------------------------------------------------
+    def watch(self, pids: dict[int, int]) -> None:
+        """Watch the processes of the peers (group rank -> pid)."""
+        self._watch = _PeerWatch({r: p for r, p in pids.items() if r != self.rank})
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    # -- posting ------------------------------------------------------------------------------
+    def post(self, value: int) -> None:
+        """Publish this rank's counter ``value`` and wake sleepers."""
+        self.counters[self.rank] = value
+        if self._asleep.any():
+            futex_wake(self._addr[self.rank])
+
+    def abort(self, rank: int, culprit: int | None = None) -> None:
+        """Tell every peer the group is aborted by ``rank`` (because of ``culprit``,
+        a global rank, if known); wake everyone."""
+        if int(self._header[0]) == 0:
+            self._header[1] = 0 if culprit is None else culprit + 1
+            self._header[0] = rank + 1
+        self._wake_all()
+
+
+    def cancel(self, cause: BaseException) -> None:
+        """Make this process's waits fail with ``cause`` (within one nap)."""
+        self._cancelled = cause
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        for addr in self._addr:
+            futex_wake(addr)
+
+    def aborted_by(self) -> int | None:
+        v = int(self._header[0])
+        return v - 1 if v else None
+
+    # -- waiting ------------------------------------------------------------------------------
+    def wait_all(self, target: int, deadline: Deadline) -> None:
+        """Wait until every rank's counter is at least ``target``."""
+        if self._seen_all >= target:
+            return
+        counters = self.counters
+        for r in range(self.size):
+            if counters[r] < target:
+                self.wait(r, target, deadline)
+        self._seen_all = target
+
+    def wait(self, peer: int, target: int, deadline: Deadline) -> None:
+        """Wait until ``peer``'s counter is at least ``target``."""
+        counters = self.counters
+        if counters[peer] >= target:
+            return
+        clock = time.perf_counter
+        now = clock()
+        end = now + self.spin_s
+        while now < end:
+            if counters[peer] >= target:
+                return
+            now = clock()
+        end = now + self.yield_s
+        while now < end:
+            os.sched_yield()
+            if counters[peer] >= target:
+                return
+            now = clock()
+        self._sleep(peer, target, deadline)
+
+    def _sleep(self, peer: int, target: int, deadline: Deadline) -> None:
+        counters = self.counters
+        addr = self._addr[peer]
+        asleep = self._asleep
+        me = self.rank
+        asleep[me] = 1
+        try:
+            while True:
+                seen = int(counters[peer])
+                if seen >= target:
+                    return
+                self._check_alive(peer, deadline)
+                futex_wait(addr, ctypes.c_int32(seen & 0xFFFFFFFF).value, min(NAP, deadline.remaining()))
+        finally:
+            asleep[me] = 0
+
+    def _check_alive(self, peer: int, deadline: Deadline) -> None:
+        if self._cancelled is not None:
+            raise self._cancelled
+        if self._watch is not None and self._watch.dead(peer):
+            raise DistBackendError(
+                f"{self._describe(peer)} died (its process exited) while this rank waited for it",
+                peer=self._global[peer],
+            )
+        by = self.aborted_by()
+        if by is not None:
+            culprit = int(self._header[1]) - 1
+            if culprit >= 0 and culprit != self._global[by]:
+                raise DistBackendError(
+                    f"rank {culprit} failed, as {self._describe(by)} found and aborted the group",
+                    peer=culprit,
+                )
+            raise DistBackendError(
+                f"{self._describe(by)} aborted the group (an operation failed there)",
+                peer=self._global[by],
+            )
+        if deadline.remaining() <= 0:
+            raise DistTimeoutError(
+                f"timed out after {deadline.seconds:g} s waiting for {self._describe(peer)}",
+                timeout=deadline.seconds, peer=self._global[peer],
+            )

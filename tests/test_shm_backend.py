@@ -1,0 +1,193 @@
+"""What is particular to shared memory: segments, their ownership, and waiting.
+
+The behaviour of every collective and point-to-point call over ``shm`` and
+``auto`` is tested by the backend-parametrised suite (collective_cases.py);
+this file covers /dev/shm files, errors about them, dead peers and the CPU
+a waiting rank uses.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import distcomm as dist
+from distcomm.errors import DistBackendError
+from distcomm.store import FileStore
+from distcomm.testing import RankFailedError, free_port, run_ranks
+from distcomm.transport.shm_segment import SHM_DIR, Segment, open_shared, reclaim_leftovers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"distcomm-{os.getpid()}-")}
+
+
+def test_too_big_for_dev_shm_is_a_clear_error():
+    with pytest.raises(DistBackendError) as info:
+        Segment.create("huge", 1 << 52, "abcd")
+    text = str(info.value)
+    assert "free" in text and "needs" in text and "MiB" in text and "\n" not in text
+    assert not _ours()
+
+
+def test_a_foreign_file_with_the_name_is_never_overwritten():
+    path = os.path.join(SHM_DIR, f"distcomm-{os.getpid()}-beef-coll")
+    with open(path, "wb") as f:
+        f.write(b"someone else's")
+    try:
+        with pytest.raises(DistBackendError, match="already exists"):
+            Segment.create("coll", 4096, "beef")
+        with open(path, "rb") as f:
+            assert f.read() == b"someone else's"
+    finally:
+        os.unlink(path)
+
+
+def test_attach_checks_name_and_size():
+    seg = Segment.create("att", 8192, "cafe")
+    try:
+        with pytest.raises(DistBackendError, match="expected 4096"):
+            Segment.attach(seg.name, 4096)
+        with pytest.raises(DistBackendError, match="not a distcomm"):
+            Segment.attach("../etc/passwd", 4096)
+        other = Segment.attach(seg.name, 8192)
+        other.buf[:5] = b"hello"
+        assert bytes(seg.buf[:5]) == b"hello"
+        other.close()
+    finally:
+        seg.close()
+    assert not _ours()
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_reclaim_removes_only_old_files_of_dead_creators():
+    dead = _dead_pid()
+    old_dead = os.path.join(SHM_DIR, f"distcomm-{dead}-0a-coll")
+    young_dead = os.path.join(SHM_DIR, f"distcomm-{dead}-0b-coll")
+    old_alive = os.path.join(SHM_DIR, f"distcomm-{os.getpid()}-0c-coll")
+    foreign = os.path.join(SHM_DIR, f"distcommx-{dead}-0d-coll")
+    for p in (old_dead, young_dead, old_alive, foreign):
+        open(p, "wb").close()
+    long_ago = time.time() - 3600
+    for p in (old_dead, old_alive, foreign):
+        os.utime(p, (long_ago, long_ago))
+    try:
+        removed = reclaim_leftovers()
+        assert os.path.basename(old_dead) in removed
+        assert not os.path.exists(old_dead)
+        assert all(os.path.exists(p) for p in (young_dead, old_alive, foreign))
+    finally:
+        for p in (old_dead, young_dead, old_alive, foreign):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def _open_shared_rank(rank: int, world_size: int, path: str) -> tuple[int, bytes]:
+    store = FileStore(path, world_size)
+    seg = open_shared(store, rank, world_size, "t", 4096, 30)
+    try:
+        if rank == 0:
+            seg.buf[:4] = b"ping"
+        store.set(f"wrote{rank}", b"")
+        store.wait(["wrote0"])
+        mine = [n for n in os.listdir(SHM_DIR) if n == seg.name]
+        data = bytes(seg.buf[:4])
+        store.add("done", 1)
+        store.wait(["done"])
+        while int(store.add("done", 0)) < world_size:
+            time.sleep(0.01)
+        return len(mine), data
+    finally:
+        seg.close()
+        store.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_open_shared_unlinks_once_everyone_mapped_it(tmp_path, world_size):
+    results = run_ranks(_open_shared_rank, world_size, str(tmp_path / "fs"), timeout=60)
+    # the name was gone by the time rank 0's data was visible to everyone
+    assert results == [(0, b"ping")] * world_size
+
+
+def _kill_one(rank: int, world_size: int, port: int, backend: str, outdir: str) -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=60)
+    x = np.ones(1 << 16, np.float32)
+    dist.all_reduce(x)
+    if rank == world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        dist.all_reduce(x)
+        seen = "no error"
+    except DistBackendError as e:
+        seen = f"{e.peer}|{time.monotonic() - start:.2f}|{e}"
+    with open(os.path.join(outdir, f"rank{rank}"), "w") as f:
+        f.write(seen)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["shm", "auto"])
+def test_kill_9_is_reported_naming_the_rank_and_leaves_nothing(backend, tmp_path):
+    before = set(os.listdir(SHM_DIR))
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_kill_one, 3, free_port(), backend, str(tmp_path), timeout=60)
+    assert "rank 2" in str(info.value)
+    for rank in (0, 1):
+        peer, took, text = (tmp_path / f"rank{rank}").read_text().split("|", 2)
+        assert peer == "2" and "rank 2" in text, text
+        assert float(took) < 30, f"rank {rank} took {took} s to notice"  # far below the 60 s timeout
+    assert set(os.listdir(SHM_DIR)) <= before
+
+
+def _idle_wait(rank: int, world_size: int, port: int) -> float:
+    dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=60)
+    x = np.ones(4, np.float32)
+    dist.all_reduce(x)
+    cpu = 0.0
+    if rank == 0:
+        start = time.process_time()
+        dist.all_reduce(x)  # the peer arrives a second later
+        cpu = time.process_time() - start
+    else:
+        time.sleep(1.0)
+        dist.all_reduce(x)
+    dist.destroy_process_group()
+    return cpu
+
+
+def test_a_waiting_rank_sleeps_instead_of_spinning():
+    cpu = run_ranks(_idle_wait, 2, free_port(), timeout=60)[0]
+    assert cpu < 0.5, f"rank 0 used {cpu:.2f} s of CPU waiting one second for its peer"
+
+
+def _not_one_host(rank: int, world_size: int, port: int) -> str:
+    os.environ["DISTCOMM_HOST_ID"] = f"m{rank}"
+    try:
+        dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=30)
+    except DistBackendError as e:
+        return str(e)
+    dist.destroy_process_group()
+    return "initialised"
+
+
+def test_shm_across_machines_is_refused_with_advice():
+    texts = run_ranks(_not_one_host, 2, free_port(), timeout=60)
+    for t in texts:
+        assert "one machine" in t and "'auto'" in t and "\n" not in t
