@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -64,3 +65,16 @@ def test_ci_runs_the_readme_test_command():
     assert len(blocks) >= 2, "README must show the run command and the test command"
     ci = (ROOT / ".ci" / "run").read_text()
     assert blocks[1].strip() in ci
+
+
+@pytest.mark.timeout(180)
+def test_readme_main_job_runs():
+    """The README's first command (after its `pip install .`) trains on 4 ranks and agrees."""
+    readme = (ROOT / "README.md").read_text()
+    first = re.findall(r"```sh\n(.*?)\n```", readme, re.S)[0].strip()
+    install, _, job = first.partition(" && ")
+    assert install == "python -m pip install ." and job.startswith("distcomm run ")
+    argv = [sys.executable, "-m", "distcomm.run", *shlex.split(job)[2:]]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "weights identical on every rank" in out.stdout and "4 ranks" in out.stdout

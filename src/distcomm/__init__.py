@@ -28,6 +28,7 @@ from .api import (
 )
 from .backend_registry import Backend
 from .backends import auto as _auto  # noqa: F401
+from .backends import mpi as _mpi  # noqa: F401 - registers 'mpi' (mpi4py is imported on use)
 from .backends import shm as _shm  # noqa: F401
 from .backends import tcp as _tcp  # noqa: F401
 from .collectives import (
@@ -44,6 +45,7 @@ from .collectives import (
     gather,
     irecv,
     isend,
+    monitored_barrier,
     recv,
     reduce,
     reduce_scatter,
@@ -52,8 +54,11 @@ from .collectives import (
     scatter,
     send,
 )
+from .debug.flight_recorder import dump_flight_recorder
+from .debug.levels import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from .errors import (
     DistBackendError,
+    DistDesyncError,
     DistError,
     DistInputError,
     DistNetworkError,
@@ -62,6 +67,7 @@ from .errors import (
     DistTypeError,
 )
 from .group import ProcessGroup
+from .launch.spawn import spawn
 from .object_collectives import (
     all_gather_object,
     broadcast_object_list,
@@ -69,8 +75,10 @@ from .object_collectives import (
     recv_object_list,
     scatter_object_list,
     send_object_list,
+    set_object_unpickler,
 )
 from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum
+from .shared_arrays import empty, zeros
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .store.rendezvous import register_rendezvous_handler, rendezvous
 from .work import Work
@@ -79,7 +87,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "DebugLevel",
     "DistBackendError",
+    "DistDesyncError",
     "DistError",
     "DistInputError",
     "DistNetworkError",
@@ -109,10 +119,13 @@ __all__ = [
     "broadcast_object_list",
     "default_pg_timeout",
     "destroy_process_group",
+    "dump_flight_recorder",
+    "empty",
     "functional",
     "gather",
     "gather_object",
     "get_backend",
+    "get_debug_level",
     "get_global_rank",
     "get_group_rank",
     "get_process_group_ranks",
@@ -124,6 +137,7 @@ __all__ = [
     "is_initialized",
     "isend",
     "make_premul_sum",
+    "monitored_barrier",
     "new_group",
     "new_subgroups",
     "new_subgroups_by_enumeration",
@@ -139,7 +153,12 @@ __all__ = [
     "scatter_object_list",
     "send",
     "send_object_list",
+    "set_object_unpickler",
+    "set_debug_level",
+    "set_debug_level_from_env",
+    "spawn",
     "split_group",
+    "zeros",
     "__version__",
 ]
 

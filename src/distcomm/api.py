@@ -13,14 +13,16 @@ import atexit
 import hashlib
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 from .backend_registry import Backend, resolve_backend
 from .deadline import Timeout, to_seconds
+from .debug import hooks as _debug
 from .errors import DistBackendError, DistInputError, DistTypeError
 from .group import ProcessGroup
-from .store import PrefixStore, Store
+from .store import PrefixStore, Store, auth
 from .store.rendezvous import rendezvous
 
 __all__ = [
@@ -113,30 +115,39 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any = None,
     device_id: Any = None,
+    auth_token: str | bytes | None = None,
 ) -> None:
     """Initialise the default process group (as ``torch.distributed.init_process_group``).
 
     Give either ``init_method`` (default ``env://``) or a ``store`` with
     ``rank`` and ``world_size``.  ``backend`` defaults to distcomm's CPU
-    backend; ``"gloo"`` is an alias for it.
+    backend; ``"gloo"`` is an alias for it.  ``auth_token`` (distcomm's own;
+    default ``DISTCOMM_AUTH_TOKEN``) makes the store and transport connections
+    this call opens authenticate with it (see :mod:`distcomm.store.auth`).
     """
     global _world, _generation
-    with _init_lock:
+    with _init_lock, auth.using_token(auth_token):
         if _world is not None:
             raise DistInputError(
                 "init_process_group was already called in this process; "
                 "call destroy_process_group() before initialising again"
             )
+        _debug.before_init()
+        started = time.monotonic()
         name, factory = resolve_backend(backend, DEFAULT_BACKEND)
         seconds = to_seconds(default_pg_timeout if timeout is None else timeout)
         if store is None:
             if world_size is not None and world_size != -1 or rank is not None and rank != -1:
                 _check_rank_size(rank, world_size)
-            url = init_method or "env://"
-            store, rank, world_size = next(
-                rendezvous(url, rank if rank is not None else -1,
-                           world_size if world_size is not None else -1, timeout=seconds)
-            )
+            bootstrap = getattr(factory, "bootstrap", None)  # backends that know the job (mpi)
+            if init_method is None and bootstrap is not None:
+                store, rank, world_size = bootstrap(rank, world_size, seconds)
+            else:
+                url = init_method or "env://"
+                store, rank, world_size = next(
+                    rendezvous(url, rank if rank is not None else -1,
+                               world_size if world_size is not None else -1, timeout=seconds)
+                )
             owns_store = True
         else:
             if init_method is not None:
@@ -161,6 +172,7 @@ def init_process_group(
         world.groups[pg.group_name] = pg
         GroupMember.WORLD = pg
         _world = world
+        _debug.world_started(prefixed, pg, rank, world_size, seconds, time.monotonic() - started)
 
 
 def _check_rank_size(rank: Any, world_size: Any, required: bool = False) -> None:
@@ -191,11 +203,14 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         group.shutdown()
         with world.lock:
             world.groups.pop(group.group_name, None)
+        _debug.group_destroyed(group)
         return
     with _init_lock:
         for pg in list(world.groups.values())[::-1]:
             pg.shutdown()
+            _debug.group_destroyed(pg)
         world.groups.clear()
+        _debug.world_ended()
         _close_all(world.resources[::-1])
         GroupMember.WORLD = None
         _world = None
@@ -313,11 +328,13 @@ def new_group(
     if world.rank not in members:
         return GroupMember.NON_GROUP_MEMBER
     store = PrefixStore(f"group/{name}", world.store)
+    started = time.monotonic()
     pg = factory.subgroup(world.default, store, members, members.index(world.rank), name, seconds)
     pg.group_name = name
     pg.ranks = members
     with world.lock:
         world.groups[name] = pg
+    _debug.group_created(pg, time.monotonic() - started)
     return pg
 
 

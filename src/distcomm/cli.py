@@ -17,6 +17,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "store": ("distcomm.store.serve", "run a standalone TCPStore server"),
     "info": ("distcomm.info", "print what distcomm sees on this machine"),
     "bench": ("distcomm.bench.cli", "measure distcomm (and compare with torch)"),
+    "trace": ("distcomm.debug.trace_cli", "explain flight-recorder dumps: distcomm trace analyze DIR"),
+    "run": ("distcomm.launch.cli", "start the workers of a distributed job (torchrun's flags)"),
+    "lighthouse": ("distcomm.ft.lighthouse", "run the fault-tolerance quorum service (status page at /)"),
 }
 
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .api import GroupMember, _group
+from .deadline import Timeout, to_seconds
+from .debug import monitored_barrier as _monitored
 from .errors import DistInputError, DistTypeError
 from .group import ProcessGroup
 from .reduce_op import ReduceOp
@@ -34,6 +36,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "barrier",
+    "monitored_barrier",
     "send",
     "recv",
     "isend",
@@ -194,12 +197,33 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
-            device_ids: Any = None) -> Work | None:
-    """Block until every rank of the group reached the barrier."""
+            device_ids: Any = None, timeout: Timeout | None = None) -> Work | None:
+    """Block until every rank of the group reached the barrier.
+
+    ``timeout`` (a distcomm extension) replaces the group's timeout for this call.
+    """
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.barrier(async_op), async_op)
+    if timeout is None:
+        return _ret(pg.barrier(async_op), async_op)
+    return _ret(pg.barrier(async_op, timeout=to_seconds(timeout)), async_op)
+
+
+def monitored_barrier(group: ProcessGroup | None = None, timeout: Timeout | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier after which rank 0 names the ranks that did not arrive within ``timeout``.
+
+    Rank 0 raises :class:`~distcomm.errors.DistTimeoutError` ("Rank 1 failed to
+    pass monitored_barrier in 2000 ms"; every late rank with ``wait_all_ranks``),
+    the ranks that arrived raise :class:`~distcomm.errors.DistBackendError`
+    naming the same ranks.  ``timeout`` defaults to the group's.
+    """
+    pg = _member(group)
+    if pg is None:
+        return
+    seconds = pg.timeout if timeout is None else to_seconds(timeout)
+    _monitored.monitored_barrier(pg, seconds, bool(wait_all_ranks))
 
 
 # -- point to point --------------------------------------------------------------------------

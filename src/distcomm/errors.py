@@ -12,6 +12,7 @@ working for code that does not know distcomm::
     │   ├── DistConnectTimeoutError          (+ DistTimeoutError) no connection before the deadline
     │   └── DistProtocolError                the peer spoke garbage or another protocol version
     ├── DistBackendError                     a process group / collective failed
+    │   └── DistDesyncError                  ranks called a collective with different arguments (DETAIL)
     ├── DistTimeoutError (TimeoutError)      any deadline passed
     ├── DistInputError (ValueError)          bad argument value from the caller
     │   └── DistRendezvousError              missing or malformed init_method / environment variables
@@ -34,6 +35,7 @@ __all__ = [
     "DistConnectTimeoutError",
     "DistProtocolError",
     "DistBackendError",
+    "DistDesyncError",
     "DistTimeoutError",
     "DistInputError",
     "DistRendezvousError",
@@ -110,6 +112,16 @@ class DistProtocolError(DistNetworkError):
 
 class DistBackendError(DistError):
     """A process group or one of its collectives failed."""
+
+
+class DistDesyncError(DistBackendError):
+    """Ranks called a collective with different arguments, or different collectives.
+
+    Raised on every rank by the ``DISTCOMM_DEBUG=DETAIL`` check, before any rank
+    used a peer's data.  ``calls`` lists what each group rank passed.
+    """
+
+    calls: Any = None
 
 
 class DistInputError(DistError, ValueError):

@@ -10,14 +10,19 @@ allow.  These forms copy what they must and return fresh arrays::
     rows = F.all_gather_tensor(x, gather_dim=0)
 
 Inputs may be NumPy arrays (read-only ones too), NumPy scalars, CPU torch
-tensors, buffers (``memoryview``, ``bytearray``), and any object with
-``__array__`` (JAX arrays, for instance) or ``__dlpack__`` on the CPU.  Python
-lists, tuples and numbers are refused: their dtype would be a guess, and
-ranks that guess differently would exchange garbage.
+tensors, buffers (``memoryview``, ``bytearray``), JAX arrays and any other
+array-API object on the CPU (read through DLPack without a copy where the
+library allows, else through ``__array__``).  Python lists, tuples and
+numbers are refused: their dtype would be a guess, and ranks that guess
+differently would exchange garbage.
 
-Results have the input's dtype.  A torch tensor in gives a torch tensor out;
-anything else gives a :class:`numpy.ndarray`.  On a process that is not a
-member of ``group`` every function returns ``None`` and does nothing.
+Results have the input's dtype and kind: a torch tensor in gives a torch
+tensor out; an array-API array in (JAX, ``array_api_strict``, ...) gives an
+array of the same library out, made with its namespace's ``from_dlpack``
+(or ``asarray`` for dtypes DLPack lacks, such as bfloat16); anything else
+gives a :class:`numpy.ndarray`.  An array on another device (a GPU) is refused
+with an error naming the device.  On a process that is not a member of
+``group`` every function returns ``None`` and does nothing.
 """
 
 from __future__ import annotations
@@ -54,12 +59,13 @@ __all__ = [
 class _Input:
     """A caller's array as a flat read-only view, and how to hand results back."""
 
-    __slots__ = ("ref", "torch", "np_dtype")
+    __slots__ = ("ref", "torch", "np_dtype", "xp")
 
-    def __init__(self, ref: ArrayRef, torch: bool, np_dtype: np.dtype | None) -> None:
+    def __init__(self, ref: ArrayRef, torch: bool, np_dtype: np.dtype | None, xp: Any = None) -> None:
         self.ref = ref
         self.torch = torch
         self.np_dtype = np_dtype  # the dtype a NumPy result should show
+        self.xp = xp  # the array-API namespace results go back in (None: NumPy)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -77,10 +83,11 @@ class _Input:
         return self.ref.array.copy()
 
     def result(self, arr: np.ndarray) -> Any:
-        return _to_user(arr, self.ref.dtype, self.torch, self.np_dtype)
+        return _to_user(arr, self.ref.dtype, self.torch, self.np_dtype, self.xp)
 
 
-def _to_user(arr: np.ndarray, dtype_name: str, torch_out: bool, np_dtype: np.dtype | None) -> Any:
+def _to_user(arr: np.ndarray, dtype_name: str, torch_out: bool, np_dtype: np.dtype | None,
+             xp: Any = None) -> Any:
     if torch_out:
         torch = sys.modules.get("torch")
         if torch is not None:
@@ -90,7 +97,68 @@ def _to_user(arr: np.ndarray, dtype_name: str, torch_out: bool, np_dtype: np.dty
             return torch.from_numpy(arr)
     if np_dtype is not None and arr.dtype != np_dtype and arr.dtype.itemsize == np_dtype.itemsize:
         arr = arr.view(np_dtype)  # bfloat16 held as uint16 bits: show the caller's dtype
+    if xp is not None:
+        return _export(arr, xp)
     return arr
+
+
+#: DLPack's device type of host memory (kDLCPU).
+_DLPACK_CPU = 1
+
+
+def _namespace(x: Any) -> Any:
+    """The array-API namespace of ``x`` if results should go back in it (None: NumPy's)."""
+    if not hasattr(type(x), "__array_namespace__"):
+        return None
+    try:
+        xp = x.__array_namespace__()
+    except Exception:  # noqa: BLE001 - a namespace it cannot give: NumPy results
+        return None
+    if xp is np or getattr(xp, "__name__", "").split(".")[0] == "numpy":
+        return None
+    if not (hasattr(xp, "from_dlpack") or hasattr(xp, "asarray")):
+        return None
+    return xp
+
+
+def _namespace_named(name: str | None) -> Any:
+    """The namespace module ``name`` if this process imported it (for scatter's receivers)."""
+    if not name:
+        return None
+    return sys.modules.get(name)
+
+
+def _export(arr: np.ndarray, xp: Any) -> Any:
+    """``arr`` as an array of namespace ``xp``: DLPack (no copy where it can), else ``asarray``."""
+    from_dlpack = getattr(xp, "from_dlpack", None)
+    if from_dlpack is not None and arr.dtype.kind in "biufc" and arr.dtype.isnative:
+        try:
+            return from_dlpack(arr)
+        except (BufferError, TypeError, ValueError, RuntimeError, NotImplementedError):
+            pass
+    return xp.asarray(arr)
+
+
+def _from_dlpack(x: Any, what: str) -> np.ndarray:
+    """A NumPy view of a CPU DLPack producer (a copy through ``__array__`` if DLPack cannot)."""
+    device = None
+    if hasattr(x, "__dlpack_device__"):
+        try:
+            device = tuple(int(d) for d in x.__dlpack_device__())
+        except Exception:  # noqa: BLE001 - no device info: let DLPack itself decide
+            device = None
+    if device is not None and device[0] != _DLPACK_CPU:
+        where = getattr(x, "device", None) or getattr(x, "devices", lambda: None)()
+        raise DistInputError(
+            f"{what} is on device {where or device} (DLPack device type {device[0]}); distcomm "
+            f"works on CPU memory: move it to the CPU first (JAX: jax.device_put(x, jax.devices('cpu')[0]))"
+        )
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        if hasattr(type(x), "__array__"):
+            return np.asarray(x)  # dtypes DLPack lacks (bfloat16 in some libraries)
+        raise DistInputError(f"{what} ({type(x).__name__}) could not be read through DLPack: {exc}") from None
 
 
 def _is_torch(x: Any) -> bool:
@@ -116,15 +184,20 @@ def _input(x: Any, what: str = "x") -> _Input:
         if x.layout == sys.modules["torch"].strided and not x.is_contiguous():
             x = x.contiguous()
         return _Input(as_array(x, writable=False, what=what), True, None)
+    xp = None
     if isinstance(x, np.generic):
         x = np.asarray(x)
-    elif not isinstance(x, np.ndarray) and hasattr(type(x), "__array__"):
-        x = np.asarray(x)  # JAX and other array libraries (zero-copy on the CPU when they can)
+    elif not isinstance(x, np.ndarray):
+        xp = _namespace(x)
+        if hasattr(type(x), "__dlpack__") and not isinstance(x, (memoryview, bytearray, bytes)):
+            x = _from_dlpack(x, what)  # JAX and other array libraries, without a copy on the CPU
+        elif hasattr(type(x), "__array__"):
+            x = np.asarray(x)
     if isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
         ref = as_array(x, writable=False, what=what)
-        return _Input(ref, False, x.dtype)
+        return _Input(ref, False, x.dtype, xp)
     ref = as_array(x, writable=False, what=what)  # buffers and DLPack
     return _Input(ref, False, None)
 
@@ -346,10 +419,10 @@ def scatter(xs: Any = None, src: int | None = None, group: ProcessGroup | None =
         cls = DistTypeError if is_type else DistInputError
         raise cls(f"scatter: xs on rank {pg.ranks[root]} is unusable: {message}",
                   op="scatter", group=pg.group_name, rank=pg.ranks[root])
-    _, dtype_name, shape, torch_out, np_dtype = header[0]
+    _, dtype_name, shape, torch_out, np_dtype, xp_name = header[0]
     out = np.empty(shape, storage_dtype(dtype_name))
     _c.scatter(out.reshape(-1), blocks if pg.rank() == root else None, group=pg, group_src=root)
-    return _to_user(out, dtype_name, torch_out, np_dtype)
+    return _to_user(out, dtype_name, torch_out, np_dtype, _namespace_named(xp_name))
 
 
 def _scatter_blocks(xs: Any, n: int) -> tuple[list[np.ndarray], tuple]:
@@ -377,4 +450,5 @@ def _scatter_blocks(xs: Any, n: int) -> tuple[list[np.ndarray], tuple]:
             )
         blocks = list(first.flat.reshape(n, -1))
         shape = first.shape[1:]
-    return blocks, ("ok", first.ref.dtype, tuple(shape), first.torch, first.np_dtype)
+    xp_name = getattr(first.xp, "__name__", None) if first.xp is not None else None
+    return blocks, ("ok", first.ref.dtype, tuple(shape), first.torch, first.np_dtype, xp_name)

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .deadline import Deadline
-from .errors import DistBackendError, DistError, DistTimeoutError
+from .debug import recorder as _rec
+from .errors import DistBackendError, DistDesyncError, DistError, DistTimeoutError
 from .work import Work, finished
 
 __all__ = ["ProcessGroup"]
@@ -117,6 +118,8 @@ class ProcessGroup:
     """
 
     backend_name = "undefined"
+    #: The DETAIL-mode argument check (:mod:`distcomm.debug.fingerprint`), or None.
+    _detail: Any = None
 
     def __init__(self, rank: int, size: int, group_name: str, timeout: float, ranks: list[int]) -> None:
         self._rank = rank
@@ -197,40 +200,68 @@ class ProcessGroup:
     def _describe_peers(self) -> str:
         return f"ranks {list(range(self._size))} of group {self.group_name!r}"
 
-    def _submit(self, op: str, run: Runner, async_op: bool, result: Any = None) -> Work:
+    def _submit(self, op: str, run: Runner, async_op: bool, result: Any = None, info: Any = None,
+                timeout: float | None = None) -> Work:
         """Issue collective ``op``; ``run(seq, deadline)`` does the work.
 
         The Work's result is ``run``'s return value, or ``result`` if given.
+        ``info`` describes the arguments, ``(shape, dtype, root, reduce_op,
+        counts)``, for the flight recorder and the DETAIL check (None: not
+        checked); ``timeout`` overrides the group's for this call.
         """
         if self._broken is not None or self._closed:
             self.check_usable()
         seq = self._next_seq()
+        if self._detail is not None and info is not None:
+            run = self._detail.wrap(op, info, run)
+        seconds = self.timeout if timeout is None else timeout
+        ring = _rec.ring
         if not async_op and self._serial.enter_inline():
             # the common case, kept lean: no hand-off, no waiting on a Work
+            entry = None
+            if ring is not None:
+                t = _rec.now()
+                entry = [t, t, None, _rec.STARTED, self.group_name, seq, op, info, None, None]
+                ring.append(entry)
             try:
-                out = run(seq, Deadline(self.timeout))
+                out = run(seq, Deadline(seconds))
             except BaseException as e:  # noqa: BLE001 - re-raised as the user-facing error
+                if entry is not None:
+                    _rec.finish(entry, e)
                 err = self._failed(op, seq, e)
                 if err is e:
                     raise
                 raise err from e
             finally:
                 self._serial.leave_inline()
+            if entry is not None:
+                entry[_rec.F_FINISHED] = _rec.now()
+                entry[_rec.F_STATE] = _rec.COMPLETED
             return finished(op, self.group_name, seq, result if result is not None else out)
         work = Work(op, self.group_name, seq, self._describe_peers)
+        entry = None if ring is None else _rec.entry(self.group_name, seq, op, info, _rec.SCHEDULED)
 
         def job() -> None:
+            if entry is not None:
+                entry[_rec.F_STARTED] = _rec.now()
+                entry[_rec.F_STATE] = _rec.STARTED
             if self._broken is not None or self._closed:
                 try:
                     self.check_usable()
                 except DistError as e:
+                    if entry is not None:
+                        _rec.finish(entry, e)
                     work._finish(error=e)
                 return
             try:
-                out = run(seq, Deadline(self.timeout))
+                out = run(seq, Deadline(seconds))
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                if entry is not None:
+                    _rec.finish(entry, e)
                 work._finish(error=self._failed(op, seq, e))
                 return
+            if entry is not None:
+                _rec.finish(entry)
             work._finish(result if result is not None else out)
 
         self._serial.submit(job, work, inline=not async_op)
@@ -240,23 +271,34 @@ class ProcessGroup:
 
     def _failed(self, op: str, seq: int | None, e: BaseException) -> BaseException:
         """Turn a failure into the error users see, and break the group."""
+        if isinstance(e, DistDesyncError):
+            return e  # every rank raises it itself: no abort (the check says if the group broke)
         what = op if seq is None else f"{op} (seq {seq})"
         if isinstance(e, DistTimeoutError):
+            seconds = e.timeout if isinstance(e.timeout, (int, float)) else self.timeout
             err: BaseException = DistTimeoutError(
                 f"{what} on group {self.group_name!r} timed out after "
-                f"{self.timeout:g} s: {e}",
-                op=op, seq=seq, group=self.group_name, timeout=self.timeout,
-                peer=getattr(e, "peer", None),
+                f"{seconds:g} s: {e}",
+                op=op, seq=seq, group=self.group_name, timeout=seconds,
+                peer=getattr(e, "peer", None), rank=self._rank, **_other_facts(e),
             )
         elif isinstance(e, DistBackendError):
             err = DistBackendError(
                 f"{what} on group {self.group_name!r} failed on rank {self._rank}: {e}",
                 op=op, seq=seq, group=self.group_name, peer=getattr(e, "peer", None),
-                rank=self._rank,
+                rank=self._rank, **_other_facts(e),
             )
         else:
             err = e
         if err is not e:
             err.__cause__ = e
         self.abort(err)
+        if _rec.on_failure is not None:
+            _rec.on_failure(self, err)
         return err
+
+
+def _other_facts(e: BaseException) -> dict[str, Any]:
+    """The facts of ``e`` the group's error does not set itself (e.g. ``ranks``)."""
+    facts = getattr(e, "facts", None) or {}
+    return {k: v for k, v in facts.items() if k not in ("op", "seq", "group", "timeout", "peer", "rank")}

@@ -14,6 +14,21 @@ CPU (``device`` may only be ``None`` or ``"cpu"``).
    as you would ``pickle.loads``; to move plain numbers, use the tensor
    collectives instead.
 
+Restricted unpickling (opt-in)
+------------------------------
+:func:`set_object_unpickler` (or ``DISTCOMM_SAFE_UNPICKLE=1`` in the
+environment) makes every rank unpickle received objects with an allow-list
+of types: :data:`DEFAULT_UNPICKLE_ALLOWED` (plain builtins, NumPy arrays,
+scalars and dtypes, and a few standard value types: ``datetime``,
+``decimal.Decimal``, ``fractions.Fraction``, ``uuid.UUID``,
+``collections`` containers) plus what you add, by type or by
+``"module.QualName"`` (``"module.*"`` admits a whole module; the variable
+``DISTCOMM_SAFE_UNPICKLE_ALLOW`` takes such names, comma separated).
+Anything else raises :class:`~distcomm.errors.DistTypeError` naming the
+type, on the receiving rank, and nothing of it is built.  This closes the
+code-execution hole of pickle; it does not bound the memory a peer can make
+the receiver allocate.
+
 What happens when something is wrong
 ------------------------------------
 Errors in ``group``, ``src``/``dst`` or ``device`` are raised at once, before
@@ -43,7 +58,11 @@ values :class:`~distcomm.errors.DistInputError`; both carry ``op``,
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -61,6 +80,9 @@ __all__ = [
     "recv_object_list",
     "OBJECT_TAG",
     "PICKLE_PROTOCOL",
+    "DEFAULT_UNPICKLE_ALLOWED",
+    "set_object_unpickler",
+    "get_object_unpickler",
 ]
 
 #: Pickle protocol of every object (5: large buffers such as NumPy arrays pickle without extra copies).
@@ -120,9 +142,117 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
+# -- restricted unpickling -------------------------------------------------------------------
+#: What the restricted unpickler admits by default, as ``"module.name"``.
+DEFAULT_UNPICKLE_ALLOWED: frozenset[str] = frozenset(
+    [f"builtins.{n}" for n in (
+        "bool", "int", "float", "complex", "str", "bytes", "bytearray", "list", "tuple", "dict",
+        "set", "frozenset", "range", "slice", "Ellipsis", "NotImplemented",
+    )]
+    + [f"{m}.{n}" for m in ("numpy._core.multiarray", "numpy.core.multiarray")
+       for n in ("_reconstruct", "scalar")]
+    + [f"{m}._frombuffer" for m in ("numpy._core.numeric", "numpy.core.numeric")]
+    + ["numpy.ndarray", "numpy.dtype"]
+    + [f"datetime.{n}" for n in ("date", "time", "datetime", "timedelta", "timezone")]
+    + ["decimal.Decimal", "fractions.Fraction", "uuid.UUID"]
+    + [f"collections.{n}" for n in ("OrderedDict", "defaultdict", "deque", "Counter")]
+)
+#: Environment: ``1`` turns the restricted unpickler on; names to add to the allow-list.
+SAFE_UNPICKLE_VAR, SAFE_UNPICKLE_ALLOW_VAR = "DISTCOMM_SAFE_UNPICKLE", "DISTCOMM_SAFE_UNPICKLE_ALLOW"
+
+_UNSET = object()
+_policy: Any = _UNSET  # frozenset of allowed names, None (plain pickle) or _UNSET (environment)
+_policy_lock = threading.Lock()
+
+
+def set_object_unpickler(
+    allowed: Iterable[type | str] | str | None = "default", *, include_defaults: bool = True
+) -> None:
+    """Choose how this process unpickles the objects it receives.
+
+    ``allowed=None``: plain :mod:`pickle` (trusted peers only; the default).
+    ``"default"``: only :data:`DEFAULT_UNPICKLE_ALLOWED`.  An iterable of types
+    (or functions) and ``"module.QualName"`` strings (``"module.*"`` for a
+    whole module): those, plus the defaults unless ``include_defaults=False``.
+    Call it on every rank (it is per process), before the collectives.
+    """
+    global _policy
+    if allowed is None:
+        policy: frozenset[str] | None = None
+    elif isinstance(allowed, str):
+        if allowed != "default":
+            raise DistInputError(
+                f"set_object_unpickler: allowed must be None, 'default' or an iterable of types "
+                f"and 'module.Name' strings, got {allowed!r}"
+            )
+        policy = DEFAULT_UNPICKLE_ALLOWED
+    else:
+        names = {_allowed_name(a) for a in allowed}
+        policy = frozenset(names | DEFAULT_UNPICKLE_ALLOWED if include_defaults else names)
+    with _policy_lock:
+        _policy = policy
+
+
+def get_object_unpickler() -> frozenset[str] | None:
+    """The allow-list in force (``"module.name"`` strings), or ``None`` for plain pickle."""
+    policy = _policy
+    if policy is not _UNSET:
+        return policy
+    if os.environ.get(SAFE_UNPICKLE_VAR, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return None
+    extra = os.environ.get(SAFE_UNPICKLE_ALLOW_VAR, "")
+    return DEFAULT_UNPICKLE_ALLOWED | {n.strip() for n in extra.split(",") if n.strip()}
+
+
+def _allowed_name(entry: Any) -> str:
+    if isinstance(entry, str):
+        if "." not in entry.strip(".") or " " in entry:
+            raise DistInputError(
+                f"set_object_unpickler: {entry!r} is not a 'module.Name' (or 'module.*') string"
+            )
+        return entry
+    module, name = getattr(entry, "__module__", None), getattr(entry, "__qualname__", None)
+    if not module or not name:
+        raise DistTypeError(
+            f"set_object_unpickler: allowed entries are types, functions or 'module.Name' "
+            f"strings, got {entry!r}"
+        )
+    return f"{module}.{name}"
+
+
+class _Refused(pickle.UnpicklingError):
+    """The restricted unpickler met a name outside its allow-list."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: memoryview, allowed: frozenset[str]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if f"{module}.{name}" in self._allowed or f"{module}.*" in self._allowed:
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
 def _loads(data: memoryview, op: str, pg: ProcessGroup, group_rank: int) -> Any:
+    allowed = get_object_unpickler()
     try:
-        return pickle.loads(data)
+        if allowed is None:
+            return pickle.loads(data)
+        return _RestrictedUnpickler(data, allowed).load()
+    except _Refused as exc:
+        raise DistTypeError(
+            f"{op}: the object from rank {pg.ranks[group_rank]} contains a {exc.name}, which the "
+            f"restricted unpickler does not admit; add it with "
+            f"distcomm.set_object_unpickler(allowed=[...]) (or {SAFE_UNPICKLE_ALLOW_VAR}) "
+            "on the receiving ranks if you trust it",
+            op=op, group=pg.group_name, rank=pg.ranks[group_rank],
+        ) from None
     except Exception as exc:
         raise DistTypeError(
             f"{op}: the object from rank {pg.ranks[group_rank]} could not be unpickled on this "

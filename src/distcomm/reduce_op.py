@@ -154,7 +154,7 @@ def as_reduce_op(op: Any, what: str = "op") -> ReduceOp:
         return getattr(ReduceOp, name)
     if type(op).__module__.startswith("torch"):
         inner = getattr(op, "op", op)  # torch ReduceOp instance wraps a RedOpType
-        name = getattr(inner, "name", None)
+        name = getattr(inner, "name", None)  # type: ignore[assignment]
         if name in _NAMES:
             if name == "PREMUL_SUM" and inner is not op:
                 return make_premul_sum(op.factor)
@@ -266,7 +266,7 @@ def _combiner(name: str, dtype_name: str) -> Combiner:
     if kind == "b":
         uf = _BOOL_UFUNCS[name]
     else:
-        uf = _UFUNCS[name]
+        uf = _UFUNCS[name]  # type: ignore[assignment]
     if dtype_name == "bfloat16":
 
         def combine(dst: np.ndarray, src: np.ndarray) -> None:
@@ -362,13 +362,13 @@ def _bf16_apply(dst: np.ndarray, fn: Callable, src: np.ndarray | None = None) ->
             if bits:
                 _widen_bits(fa, d)
                 if fb is not None:
-                    _widen_bits(fb, src[start : start + k])
+                    _widen_bits(fb, src[start : start + k])  # type: ignore[index]
                 fn(fa, fb)
-                _narrow_bits(d, fa, tmp[:k])
+                _narrow_bits(d, fa, tmp[:k])  # type: ignore[index]
             else:
                 np.copyto(fa, d, casting="unsafe")
                 if fb is not None:
-                    np.copyto(fb, src[start : start + k], casting="unsafe")
+                    np.copyto(fb, src[start : start + k], casting="unsafe")  # type: ignore[index]
                 fn(fa, fb)
                 np.copyto(d, fa, casting="unsafe")
 

@@ -134,7 +134,7 @@ def finished(op: str, group: str, seq: int | None, result: Any = None) -> Work:
     """A Work that already succeeded with ``result`` (made cheaply: blocking calls)."""
     w = Work.__new__(Work)
     w.op, w.group, w.seq, w._peers = op, group, seq, _no_peers
-    w._done, w._error, w._result, w._source, w._future = _SET, None, result, None, None
+    w._done, w._error, w._result, w._source, w._future = _SET, None, result, None, None  # type: ignore[assignment]
     w._lock = _FINISHED_LOCK
     return w
 

@@ -212,7 +212,7 @@ def drive(
     free: deque[np.ndarray] = deque()
     if stride:
         stride = -(-stride // _ALIGN) * _ALIGN
-        buf = scratch.take(stride * SCRATCH_SLOTS)
+        buf = scratch.take(stride * SCRATCH_SLOTS)  # type: ignore[union-attr]
         free.extend(buf[i * stride : (i + 1) * stride] for i in range(SCRATCH_SLOTS))
     reqs: list[Request | None] = [None] * n
     slots: list[np.ndarray | None] = [None] * n
@@ -224,26 +224,26 @@ def drive(
                 target = dst.view(np.uint8)
             elif free:
                 slots[nxt] = free.popleft()
-                target = slots[nxt][: dst.nbytes]
+                target = slots[nxt][: dst.nbytes]  # type: ignore[index]
             else:
                 break
             reqs[nxt] = ch.irecv(src, collective_tag(seq, step), memoryview(target))
             nxt += 1
         _, _, dst, mode, guard, forwards = items[i]
-        reqs[i].wait(deadline)
+        reqs[i].wait(deadline)  # type: ignore[union-attr]
         reqs[i] = None
         if mode != DIRECT:
             slot = slots[i]
             slots[i] = None
-            tmp = slot[: dst.nbytes].view(dst.dtype)
+            tmp = slot[: dst.nbytes].view(dst.dtype)  # type: ignore[index]
             if guard is not None:
                 guard.wait(deadline)
             if mode == REDUCE:
-                combine(dst, tmp)
+                combine(dst, tmp)  # type: ignore[misc]
             else:
-                combine(tmp, dst)
+                combine(tmp, dst)  # type: ignore[misc]
                 np.copyto(dst, tmp)
-            free.append(slot)
+            free.append(slot)  # type: ignore[arg-type]
         for peer, step in forwards:
             sends.append(ch.isend(peer, collective_tag(seq, step), as_bytes(dst)))
 

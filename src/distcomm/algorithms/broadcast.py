@@ -83,7 +83,7 @@ def chain_broadcast(ch: Channel, arr, root: int, seq: int, deadline: Deadline) -
     parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, 1))
     sends: list[Request] = []
     if v == 0:
-        sends = send_all(ch, nxt, seq, 0, arr, parts)
+        sends = send_all(ch, nxt, seq, 0, arr, parts)  # type: ignore[arg-type]
     else:
         fwd = (lambda j: ((nxt, j),)) if nxt is not None else (lambda j: ())
         items: list[Item] = [

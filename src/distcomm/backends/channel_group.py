@@ -11,6 +11,7 @@ Point-to-point calls post straight to the channel, off the executor.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from .. import algorithms as algo
 from ..arrays import ArrayRef, as_array
 from ..deadline import Deadline, to_seconds
+from ..debug import recorder as _rec
 from ..errors import DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup
 from ..reduce_op import finalize, op_combiner
@@ -26,6 +28,9 @@ from ..transport.base import MAX_P2P_TAG, Channel, Request, p2p_tag
 from ..work import Work
 
 __all__ = ["ChannelProcessGroup"]
+
+#: The argument description of a collective without arguments (barrier).
+_NO_ARGS = (None, None, None, None, None)
 
 
 class _Staging:
@@ -152,7 +157,7 @@ class ChannelProcessGroup(ProcessGroup):
         def run(seq: int, deadline: Deadline) -> None:
             self.algorithms.broadcast(ref.array, root, seq, deadline)
 
-        return self._submit("broadcast", run, async_op, result=tensor)
+        return self._submit("broadcast", run, async_op, tensor, (ref.shape, ref.dtype, root, None, None))
 
     def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Work:
         ref = self._ref(tensor, "tensor")
@@ -162,7 +167,7 @@ class ChannelProcessGroup(ProcessGroup):
             self.algorithms.allreduce(ref.array, combine, seq, deadline)
             finalize(op, ref.array, self._size, ref.dtype)
 
-        return self._submit("all_reduce", run, async_op, result=tensor)
+        return self._submit("all_reduce", run, async_op, tensor, (ref.shape, ref.dtype, None, op, None))
 
     def reduce(self, tensor: Any, root: int, op: Any, async_op: bool = False) -> Work:
         self._check_root(root, "dst")
@@ -179,7 +184,7 @@ class ChannelProcessGroup(ProcessGroup):
             if self._rank == root:
                 finalize(op, arr, self._size, ref.dtype)
 
-        return self._submit("reduce", run, async_op, result=tensor)
+        return self._submit("reduce", run, async_op, tensor, (ref.shape, ref.dtype, root, op, None))
 
     def allgather(self, output_list: Any, tensor: Any, async_op: bool = False) -> Work:
         inp = self._ref(tensor, "tensor", writable=False)
@@ -195,7 +200,7 @@ class ChannelProcessGroup(ProcessGroup):
             for i, o in enumerate(outs):
                 o.array[:] = buf[i * n : (i + 1) * n]
 
-        return self._submit("all_gather", run, async_op, result=output_list)
+        return self._submit("all_gather", run, async_op, output_list, (inp.shape, inp.dtype, None, None, None))
 
     def allgather_into_tensor(self, output: Any, input: Any, async_op: bool = False) -> Work:
         inp = self._ref(input, "input_tensor", writable=False)
@@ -209,7 +214,8 @@ class ChannelProcessGroup(ProcessGroup):
                 mine[:] = inp.array
             self.algorithms.allgather(out.array, seq, deadline)
 
-        return self._submit("all_gather_into_tensor", run, async_op, result=output)
+        return self._submit("all_gather_into_tensor", run, async_op, output,
+                            (inp.shape, inp.dtype, None, None, None))
 
     def gather(self, tensor: Any, gather_list: Any, root: int, async_op: bool = False) -> Work:
         self._check_root(root, "dst")
@@ -233,7 +239,7 @@ class ChannelProcessGroup(ProcessGroup):
             for i, o in enumerate(outs):
                 o.array[:] = buf[i * n : (i + 1) * n]
 
-        return self._submit("gather", run, async_op, result=gather_list)
+        return self._submit("gather", run, async_op, gather_list, (inp.shape, inp.dtype, root, None, None))
 
     def scatter(self, tensor: Any, scatter_list: Any, root: int, async_op: bool = False) -> Work:
         self._check_root(root, "src")
@@ -257,7 +263,7 @@ class ChannelProcessGroup(ProcessGroup):
                     buf[i * n : (i + 1) * n] = r.array
             self.algorithms.scatter(buf, out.array, root, seq, deadline)
 
-        return self._submit("scatter", run, async_op, result=tensor)
+        return self._submit("scatter", run, async_op, tensor, (out.shape, out.dtype, root, None, None))
 
     def reduce_scatter(self, output: Any, input_list: Any, op: Any, async_op: bool = False) -> Work:
         out = self._ref(output, "output")
@@ -274,7 +280,7 @@ class ChannelProcessGroup(ProcessGroup):
             self.algorithms.reduce_scatter(out.array, buf, combine, seq, deadline)
             finalize(op, out.array, self._size, out.dtype)
 
-        return self._submit("reduce_scatter", run, async_op, result=output)
+        return self._submit("reduce_scatter", run, async_op, output, (out.shape, out.dtype, None, op, None))
 
     def reduce_scatter_tensor(self, output: Any, input: Any, op: Any, async_op: bool = False) -> Work:
         out = self._ref(output, "output")
@@ -286,7 +292,8 @@ class ChannelProcessGroup(ProcessGroup):
             self.algorithms.reduce_scatter(out.array, inp.array, combine, seq, deadline)
             finalize(op, out.array, self._size, out.dtype)
 
-        return self._submit("reduce_scatter_tensor", run, async_op, result=output)
+        return self._submit("reduce_scatter_tensor", run, async_op, output,
+                            (out.shape, out.dtype, None, op, None))
 
     def alltoall(self, output_list: Any, input_list: Any, async_op: bool = False) -> Work:
         outs = self._refs(output_list, "output_tensor_list", n=self._size)
@@ -306,7 +313,9 @@ class ChannelProcessGroup(ProcessGroup):
                                      send_counts=send_counts, recv_counts=recv_counts)
             _unpack(recv, [r.array for r in outs])
 
-        return self._submit("all_to_all", run, async_op, result=output_list)
+        return self._submit("all_to_all", run, async_op, output_list,
+                            (None, outs[0].dtype if outs else ins[0].dtype, None, None,
+                             (send_counts, recv_counts)))
 
     def alltoall_single(
         self, output: Any, input: Any, output_split_sizes: Sequence[int] | None,
@@ -325,7 +334,8 @@ class ChannelProcessGroup(ProcessGroup):
             self.algorithms.alltoall(inp.array, out.array, seq, deadline,
                                      send_counts=send_counts, recv_counts=recv_counts)
 
-        return self._submit("all_to_all_single", run, async_op, result=output)
+        return self._submit("all_to_all_single", run, async_op, output,
+                            (inp.shape, inp.dtype, None, None, (send_counts, recv_counts)))
 
     def _splits(self, ref: ArrayRef, splits: Sequence[int] | None, what: str) -> list[int]:
         """Element counts per rank from splits along dimension 0."""
@@ -351,11 +361,12 @@ class ChannelProcessGroup(ProcessGroup):
             )
         return [int(s) * per_row for s in splits]
 
-    def barrier(self, async_op: bool = False) -> Work:
+    def barrier(self, async_op: bool = False, timeout: float | None = None) -> Work:
+        """Wait for every rank; ``timeout`` (seconds) overrides the group's for this call."""
         def run(seq: int, deadline: Deadline) -> None:
             self.algorithms.barrier(seq, deadline)
 
-        return self._submit("barrier", run, async_op)
+        return self._submit("barrier", run, async_op, info=_NO_ARGS, timeout=timeout)
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, tensor: Any, dst: int, tag: int = 0) -> Work:
@@ -364,7 +375,7 @@ class ChannelProcessGroup(ProcessGroup):
         wire = self._check_tag(tag)
         self.check_usable()
         req = self.channel.isend(dst, wire, ref.bytes())
-        return _RequestWork(self, "send", req, dst, tensor)
+        return _RequestWork(self, "send", req, dst, tensor, ref, tag)
 
     def recv(self, tensor: Any, src: int | None, tag: int = 0) -> Work:
         if src is not None:
@@ -373,7 +384,7 @@ class ChannelProcessGroup(ProcessGroup):
         wire = self._check_tag(tag)
         self.check_usable()
         req = self.channel.irecv(src, wire, ref.bytes())
-        return _RequestWork(self, "recv", req, src, tensor)
+        return _RequestWork(self, "recv", req, src, tensor, ref, tag)
 
     def _check_peer(self, peer: Any, what: str) -> None:
         if isinstance(peer, bool) or not isinstance(peer, int):
@@ -392,13 +403,20 @@ class ChannelProcessGroup(ProcessGroup):
 class _RequestWork(Work):
     """A Work that is a transport request (point-to-point), waited with the group timeout."""
 
-    def __init__(self, pg: ChannelProcessGroup, op: str, req: Request, peer: int | None, result: Any) -> None:
+    def __init__(self, pg: ChannelProcessGroup, op: str, req: Request, peer: int | None, result: Any,
+                 ref: ArrayRef, tag: int) -> None:
         who = "any rank" if peer is None else f"rank {peer}"
         super().__init__(op, pg.group_name, None, lambda: who)
         self._pg = pg
         self._req = req
         self._value = result
         self._waiting = threading.Lock()
+        self._peer = peer
+        self._entry = None
+        if _rec.ring is not None:
+            self._entry = _rec.entry(pg.group_name, None, op, (ref.shape, ref.dtype, None, None, tag),
+                                     _rec.STARTED, peer)
+            self._entry.append(weakref.ref(self))  # a dump tells done-but-never-waited from pending
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done.is_set():
@@ -418,13 +436,23 @@ class _RequestWork(Work):
                     f"it waits for {self._peers()}",
                     op=self.op, group=self.group, timeout=seconds,
                 ) from None
-            self._finish(error=self._pg._failed(self.op, None, DistTimeoutError(
-                f"{self.op} waited {seconds:g} s for {self._peers()}", timeout=seconds)))
+            self._fail(DistTimeoutError(f"{self.op} waited {seconds:g} s for {self._peers()}",
+                                        timeout=seconds, peer=self._peer_rank()))
         except BaseException as e:  # noqa: BLE001 - kept and re-raised through Work
-            self._finish(error=self._pg._failed(self.op, None, e))
+            self._fail(e)
         else:
             self._source = getattr(self._req, "source", None)
+            if self._entry is not None:
+                _rec.finish(self._entry)
             self._finish(self._value)
+
+    def _fail(self, e: BaseException) -> None:
+        if self._entry is not None:
+            _rec.finish(self._entry, e)
+        self._finish(error=self._pg._failed(self.op, None, e))
+
+    def _peer_rank(self) -> int | None:
+        return None if self._peer is None else self._pg.ranks[self._peer]
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._req.done():

@@ -12,6 +12,15 @@ naming it.
 ``DISTCOMM_SHM_SLOT_BYTES`` sets the slot size (default 512 KiB: large
 collectives go through in rounds of one slot) and ``DISTCOMM_SHM_SMALL_BYTES``
 the largest ``all_reduce`` done in one phase by every rank (default 64 KiB).
+
+The world group (the one named ``"default"`` by the backend factories) also
+opens every rank's heap (:mod:`~distcomm.transport.shm_heap`,
+``DISTCOMM_SHM_HEAP_BYTES``, default 1 GiB of address space, 0 for none),
+where ``distcomm.empty`` allocates; every other shared-memory group of that
+world (subgroups) uses the same heaps, so arrays allocated once can be read
+in place by peers in the collectives of any of them.  Groups of a world that
+is not a shared-memory group (``tcp``, ``auto`` over several machines) have
+no heap.
 """
 
 from __future__ import annotations
@@ -28,12 +37,16 @@ from ..errors import DistBackendError, DistInputError
 from ..store import PrefixStore, Store
 from ..store.exchange import all_gather_strings
 from ..transport.shm_channel import ShmChannel
+from ..transport.shm_heap import Heap, SharedHeaps, heap_bytes
 from ..transport.shm_segment import Segment, host_key, open_shared
 from ..transport.shm_sync import LINE, Control, control_bytes
 from .channel_group import ChannelProcessGroup
 from .shm_collectives import ShmCollectives
 
 __all__ = ["ShmProcessGroup", "ShmBackend", "check_one_host"]
+
+#: The heaps of this process's shared-memory world group while it lives (its subgroups use them).
+_world_heaps: SharedHeaps | None = None
 
 
 def _env_bytes(name: str, default: int, low: int) -> int:
@@ -72,8 +85,12 @@ class ShmProcessGroup(ChannelProcessGroup):
 
         self._segment: Segment | None = None
         self._control: Control | None = None
+        self._heaps: SharedHeaps | None = None  # opened (and closed) by this group: the world's
+        #: This rank's heap (``distcomm.empty`` allocates there), or None.
+        self.heap: Heap | None = None
         channel = None
         try:
+            heaps = self._open_heaps(store, rank, size, ranks, group_name, timeout)
             self._segment = open_shared(store, rank, size, "coll", ctl_bytes + 2 * size * slot, timeout)
             mem = self._segment.buf
             self._control = Control(mem[:ctl_bytes], rank, size, describe, local_ranks, ranks)
@@ -83,13 +100,30 @@ class ShmProcessGroup(ChannelProcessGroup):
                 [np.frombuffer(mem, np.uint8, slot, ctl_bytes + (2 * r + b) * slot) for b in (0, 1)]
                 for r in range(size)
             ]
-            collectives = ShmCollectives(self._control, slots, small)
+            collectives = ShmCollectives(self._control, slots, small, heaps)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
                                       describe=describe, local_ranks=local_ranks)
         except BaseException:
             self._close_memory()
             raise
         super().__init__(channel, group_name, timeout, ranks, algorithms=collectives)
+
+    def _open_heaps(self, store: Store, rank: int, size: int, ranks: list[int], group_name: str,
+                    timeout: float) -> list[np.ndarray] | None:
+        """Open the world's heaps (the world group) or find them (others); set ``self.heap``.
+        Returns every member's heap by group rank, or None unless all members have one."""
+        global _world_heaps
+        if group_name == "default":
+            self._heaps = table = SharedHeaps.open(PrefixStore("heap", store), rank, size, heap_bytes(),
+                                                   timeout)
+            _world_heaps = table
+        else:
+            table = _world_heaps
+            if table is None or table.rank != ranks[rank] or max(ranks) >= table.size:
+                return None  # not a subgroup of a shared-memory world
+        self.heap = table.mine
+        views = [table.views[g] for g in ranks]
+        return views if all(v is not None for v in views) else None  # type: ignore[misc]
 
     # -- lifecycle ---------------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
@@ -110,6 +144,13 @@ class ShmProcessGroup(ChannelProcessGroup):
         self._close_memory()
 
     def _close_memory(self) -> None:
+        global _world_heaps
+        self.heap = None
+        if self._heaps is not None:
+            if _world_heaps is self._heaps:
+                _world_heaps = None
+            self._heaps.close()
+            self._heaps = None
         if self._control is not None:
             self._control.close()
             self._control = None

@@ -23,6 +23,35 @@ rank (``_next``): all ranks run the same phases, so they agree.
 A size mismatch between ranks cannot write outside the caller's arrays and
 the segment: each rank reads at most what its own arguments say, within the
 peer's slot.
+
+**Direct mode.**  When the group has heaps (:mod:`distcomm.transport.shm_heap`:
+every rank maps every member's heap), arrays allocated there
+(``distcomm.empty``) are read by peers in place, with no copy into slots.  A
+rank only knows whether *its* array is in *its* heap, so the first phase of
+a large ``all_reduce``, ``all_gather_into_tensor`` or ``reduce_scatter_tensor``
+publishes it in the slot header (word 1: the array's offset in the heap or
+-1; word 2: its byte size).  A rank whose array is in its heap writes only
+the header; the others write round 0 as usual.  After that phase every rank
+has read every header, so all decide alike (``_open``):
+
+* every offset >= 0 and every size equal: *direct*; the data phases read
+  peers' arrays, and a trailing phase follows the last read of peers'
+  arrays: no rank returns (and lets its caller change its array) while a
+  peer may still read it;
+* every offset -1: the first phase was round 0 of the slot path, which goes on;
+* a mix: round 0 is incomplete, so the slot path starts again in a new phase.
+
+The phase rule stays as above with "my slot" read as "my slot or my heap
+array": a rank posts a phase once its data for it is in place and it has
+finished reading everything of earlier phases, and it writes nothing a peer
+may read in a phase before that peer posted the next one.  In a direct
+``all_reduce`` (phases q1..q3) rank r reduces slice r in place in its own
+array reading slice r of every peer's (their inputs, untouched until r posts
+q2), posts q2, copies slice j of rank j's array once j posted q2, posts q3
+and waits for every q3.  ``broadcast`` needs only the root's header (it
+decides alone): in direct mode non-roots copy from the root's array and post
+a second phase, for which the root waits.  Small collectives never go
+direct: the trailing phase would cost more than the copy saves.
 """
 
 from __future__ import annotations
@@ -37,8 +66,14 @@ from ..transport.shm_sync import Control
 __all__ = ["ShmCollectives", "HEADER"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
-#: Bytes at the start of each slot kept for a small header (all_to_all's "more to come").
+#: Bytes at the start of each slot kept for a small header: 64-bit words,
+#: 0 all_to_all's "more to come", 1 and 2 a heap array's offset and size.
 HEADER = 64
+#: Elements of one piece when a direct reduction with several peers goes piece by piece
+#: (the accumulator stays in cache while every peer's piece is added).
+_PIECE_BYTES = 256 * 1024
+#: What the first phase of a collective that may go direct (``_open``) decided.
+DIRECT, SLOTS, AGAIN = "direct", "slots", "again"
 
 
 def _bounds(count: int, n: int, i: int) -> tuple[int, int]:
@@ -55,16 +90,19 @@ class ShmCollectives:
     """The collectives of one shared-memory group, seen from one rank.
 
     ``slots[r][b]`` are the byte arrays of rank r's two slots (each
-    ``slot_bytes`` long, the first :data:`HEADER` bytes reserved).  Methods
-    take 1-D contiguous arrays and work in place like
-    :mod:`distcomm.algorithms`; ``seq`` is accepted for the same signature
-    (phases order everything here).
+    ``slot_bytes`` long, the first :data:`HEADER` bytes reserved).
+    ``heaps[r]`` (or None for a group without heaps) is a uint8 array over
+    rank r's heap, mapped here.  Methods take 1-D contiguous arrays and work
+    in place like :mod:`distcomm.algorithms`; ``seq`` is accepted for the
+    same signature (phases order everything here).  ``direct_calls`` counts
+    the collectives that went direct.
     """
 
     #: ``reduce`` leaves non-root inputs untouched (no staging copy needed).
     reduce_keeps_input = True
 
-    def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int) -> None:
+    def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int,
+                 heaps: list[np.ndarray] | None = None) -> None:
         self.ctl = control
         self.rank = control.rank
         self.size = control.size
@@ -75,7 +113,13 @@ class ShmCollectives:
         self._next = [0] * self.size  # the slot each rank writes next
         self._free_at = [0, 0]  # my slot b is free once every rank posted this phase
         self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}
-        self._headers = [[s[:8].view(np.int64) for s in pair] for pair in slots]
+        self._headers = [[s[:HEADER].view(np.int64) for s in pair] for pair in slots]
+        self.heaps = heaps
+        self.direct_calls = 0
+        if heaps is not None:
+            mine = heaps[self.rank]
+            self._heap_base = mine.__array_interface__["data"][0]
+            self._heap_len = mine.size
 
     # -- phase machinery ----------------------------------------------------------------
     def _views(self, dtype: np.dtype) -> list[list[np.ndarray]]:
@@ -123,6 +167,67 @@ class ShmCollectives:
         n, r = self.size, self.rank
         return [(r + k) % n for k in range(1, n)]
 
+    # -- direct mode (arrays in the heaps) ----------------------------------------------------
+    def _heap_offset(self, arr: np.ndarray) -> int:
+        """Offset of ``arr`` in this rank's heap, -1 if it is not (all) there."""
+        off = arr.__array_interface__["data"][0] - self._heap_base
+        return off if 0 <= off and off + arr.nbytes <= self._heap_len else -1
+
+    def _open(self, arr: np.ndarray, fill: Callable[[int], None], deadline: Deadline
+              ) -> tuple[str, int, list[int], list[int]]:
+        """The first phase of a collective every rank may run direct on ``arr``.
+
+        Publishes ``arr``'s heap offset and size in this rank's slot header and,
+        unless ``arr`` is in the heap, calls ``fill(b)`` to write round 0 into
+        slot b; posts and waits for every rank.  Returns the decision (the same
+        on every rank: :data:`DIRECT`, :data:`SLOTS` or :data:`AGAIN`), the
+        phase, the slot each rank used and every rank's offset.
+        """
+        me = self.rank
+        off = self._heap_offset(arr)
+        q = self._begin()
+        used = self._all_write(deadline)
+        head = self._headers[me][used[me]]
+        head[1] = off
+        head[2] = arr.nbytes
+        if off < 0:
+            fill(used[me])
+        self.ctl.post(q)
+        self.ctl.wait_all(q, deadline)
+        heads = [self._headers[j][used[j]] for j in range(self.size)]
+        offs = [int(h[1]) for h in heads]
+        if all(o < 0 for o in offs):
+            return SLOTS, q, used, offs
+        self._read_until(used[me], q)
+        same = all(int(h[2]) == arr.nbytes for h in heads)
+        if same and all(0 <= o and o + arr.nbytes <= v.size for o, v in zip(offs, self.heaps, strict=True)):
+            self.direct_calls += 1
+            return DIRECT, q, used, offs
+        return AGAIN, q, used, offs
+
+    def _peer(self, j: int, off: int, like: np.ndarray) -> np.ndarray:
+        """Rank j's heap array at ``off``, shaped like ``like`` (this rank's own for j = me)."""
+        if j == self.rank:
+            return like
+        return self.heaps[j][off : off + like.nbytes].view(like.dtype)
+
+    def _finish_direct(self, deadline: Deadline) -> None:
+        """The trailing phase: every rank has finished reading peers' arrays."""
+        q = self._begin()
+        self.ctl.post(q)
+        self.ctl.wait_all(q, deadline)
+
+    def _reduce_from(self, acc: np.ndarray, parts: list[np.ndarray], combine: Combine) -> None:
+        """``acc`` combined with each of ``parts`` (same length), in order."""
+        if len(parts) == 1:
+            combine(acc, parts[0])
+            return
+        step = max(1, _PIECE_BYTES // acc.itemsize)
+        for lo in range(0, acc.size, step):
+            a = acc[lo : lo + step]
+            for p in parts:
+                combine(a, p[lo : lo + step])
+
     # -- collectives ------------------------------------------------------------------------
     def barrier(self, seq: int, deadline: Deadline) -> None:
         q = self._begin()
@@ -154,30 +259,74 @@ class ShmCollectives:
 
     def _allreduce_large(self, arr: np.ndarray, combine: Combine, deadline: Deadline) -> None:
         views = self._views(arr.dtype)
-        n, me = self.size, self.rank
+        me = self.rank
         per = len(views[0][0])
-        others = self._others()
-        for lo in range(0, arr.size, per):
+        start = 0
+        if self.heaps is not None:
+            m0 = min(per, arr.size)
+
+            def fill(b: int) -> None:
+                views[me][b][:m0] = arr[:m0]
+
+            mode, q, used, offs = self._open(arr, fill, deadline)
+            if mode == DIRECT:
+                self._allreduce_direct(arr, offs, combine, deadline)
+                return
+            if mode == SLOTS:
+                self._allreduce_round(arr[:m0], q, used, views, combine, deadline)
+                start = per
+        for lo in range(start, arr.size, per):
             chunk = arr[lo : lo + per]
-            m = chunk.size
             q = self._begin()
             used = self._all_write(deadline)
-            mine = views[me][used[me]]
-            mine[:m] = chunk
+            views[me][used[me]][: chunk.size] = chunk
             self.ctl.post(q)
-            s0, s1 = _bounds(m, n, me)
-            acc = mine[s0:s1]
-            for j in others:
-                self.ctl.wait(j, q, deadline)
-                combine(acc, views[j][used[j]][s0:s1])
-            q2 = self._begin()
-            self.ctl.post(q2)
-            chunk[s0:s1] = acc
-            for j in others:
-                self.ctl.wait(j, q2, deadline)
-                j0, j1 = _bounds(m, n, j)
-                chunk[j0:j1] = views[j][used[j]][j0:j1]
-            self._read_until(used[me], q2)
+            self._allreduce_round(chunk, q, used, views, combine, deadline)
+
+    def _allreduce_round(self, chunk: np.ndarray, q: int, used: list[int], views: list[list[np.ndarray]],
+                         combine: Combine, deadline: Deadline) -> None:
+        """The rest of a round once every rank wrote ``chunk`` into its slot and posted ``q``:
+        reduce my slice of every slot, post, copy every slice out."""
+        n, me = self.size, self.rank
+        others = self._others()
+        m = chunk.size
+        mine = views[me][used[me]]
+        s0, s1 = _bounds(m, n, me)
+        acc = mine[s0:s1]
+        for j in others:
+            self.ctl.wait(j, q, deadline)
+            combine(acc, views[j][used[j]][s0:s1])
+        q2 = self._begin()
+        self.ctl.post(q2)
+        chunk[s0:s1] = acc
+        for j in others:
+            self.ctl.wait(j, q2, deadline)
+            j0, j1 = _bounds(m, n, j)
+            chunk[j0:j1] = views[j][used[j]][j0:j1]
+        self._read_until(used[me], q2)
+
+    def _allreduce_direct(self, arr: np.ndarray, offs: list[int], combine: Combine,
+                          deadline: Deadline) -> None:
+        """Every rank's ``arr`` is in its heap: reduce slice ``me`` in place from every
+        rank's array, post, copy every other slice from the rank that reduced it.
+
+        One data phase for the whole array: splitting it into pieces (so the copy
+        reads what a peer just wrote, from the shared cache) showed no clear gain
+        on two ranks and was much slower on a busy machine, where every phase is
+        a chance to wait for a descheduled peer.
+        """
+        n, me = self.size, self.rank
+        others = self._others()
+        peers = [self._peer(j, offs[j], arr) for j in range(n)]
+        s0, s1 = _bounds(arr.size, n, me)
+        self._reduce_from(arr[s0:s1], [peers[j][s0:s1] for j in others], combine)
+        q = self._begin()
+        self.ctl.post(q)
+        for j in others:
+            self.ctl.wait(j, q, deadline)
+            j0, j1 = _bounds(arr.size, n, j)
+            arr[j0:j1] = peers[j][j0:j1]
+        self._finish_direct(deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
         data = _flat(arr).view(np.uint8)
@@ -185,18 +334,40 @@ class ShmCollectives:
             return
         per = self.slot_bytes
         me = self.rank
+        # the root alone decides whether to go direct; round 0's header says so
+        heads = self.heaps is not None
+        off = self._heap_offset(data) if heads and me == root and data.size > self.small_bytes else -1
         for lo in range(0, data.size, per):
             part = data[lo : lo + per]
             q = self._begin()
             b = self._one_writes(root, deadline)
             slot = self.slots[root][b][HEADER : HEADER + part.size]
             if me == root:
-                slot[:] = part
+                if lo == 0 and heads:
+                    head = self._headers[me][b]
+                    head[1] = off
+                    head[2] = data.size
+                if off < 0:
+                    slot[:] = part
                 self.ctl.post(q)
                 self._read_until(b, q)
+                if off >= 0:
+                    self.direct_calls += 1
+                    self._finish_direct(deadline)  # non-roots copied from my array
+                    return
             else:
                 self.ctl.post(q)
                 self.ctl.wait(root, q, deadline)
+                if lo == 0 and heads:
+                    head = self._headers[root][b]
+                    src, size = int(head[1]), int(head[2])
+                    if src >= 0:
+                        k = min(size, data.size, max(0, self.heaps[root].size - src))
+                        data[:k] = self.heaps[root][src : src + k]
+                        self.direct_calls += 1
+                        q2 = self._begin()
+                        self.ctl.post(q2)
+                        return
                 part[:] = slot
 
     def reduce(self, arr: np.ndarray, combine: Combine, root: int, seq: int, deadline: Deadline) -> None:
@@ -230,7 +401,28 @@ class ShmCollectives:
         if n == 1 or out.size == 0:
             return
         m = out.size // n
-        self._gather_rounds(out, m, None, deadline)
+        start = 0
+        if self.heaps is not None and out.nbytes > self.small_bytes:
+            views = self._views(out.dtype)
+            me = self.rank
+            k = min(len(views[0][0]), m)
+            own = out[me * m : (me + 1) * m]
+
+            def fill(b: int) -> None:
+                views[me][b][:k] = own[:k]
+
+            mode, q, used, offs = self._open(out, fill, deadline)
+            if mode == DIRECT:
+                for j in self._others():
+                    out[j * m : (j + 1) * m] = self._peer(j, offs[j], out)[j * m : (j + 1) * m]
+                self._finish_direct(deadline)
+                return
+            if mode == SLOTS:
+                self._read_until(used[me], q)
+                for j in self._others():
+                    out[j * m : j * m + k] = views[j][used[j]][:k]
+                start = k
+        self._gather_rounds(out, m, None, deadline, start=start)
 
     def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
                deadline: Deadline) -> None:
@@ -250,8 +442,9 @@ class ShmCollectives:
             self._gather_rounds(send, send.size, root, deadline, own=send)
 
     def _gather_rounds(self, out: np.ndarray, m: int, root: int | None, deadline: Deadline,
-                       own: np.ndarray | None = None) -> None:
-        """Every rank's block of ``m`` elements to every rank (root None) or to ``root``.
+                       own: np.ndarray | None = None, start: int = 0) -> None:
+        """Every rank's block of ``m`` elements to every rank (root None) or to ``root``,
+        from element ``start`` of each block on.
 
         ``own`` is this rank's block when ``out`` is not the full result (non-roots).
         """
@@ -261,7 +454,7 @@ class ShmCollectives:
             own = out[me * m : (me + 1) * m]
         per = len(views[0][0])
         others = self._others()
-        for lo in range(0, m, per):
+        for lo in range(start, m, per):
             k = min(per, m - lo)
             q = self._begin()
             writes = root is None or me != root
@@ -317,7 +510,29 @@ class ShmCollectives:
         views = self._views(out.dtype)
         per = len(views[0][0]) // n
         others = self._others()
-        for lo in range(0, m, per):
+        peers = [j for j in range(n) if j != me]
+        start = 0
+        if self.heaps is not None and inp.nbytes > self.small_bytes:
+            k = min(per, m)
+
+            def fill(b: int) -> None:
+                slot = views[me][b]
+                for d in others:
+                    slot[d * per : d * per + k] = inp[d * m : d * m + k]
+
+            mode, q, used, offs = self._open(inp, fill, deadline)
+            if mode == DIRECT:
+                mine = slice(me * m, (me + 1) * m)
+                self._reduce_from(out, [self._peer(j, offs[j], inp)[mine] for j in peers], combine)
+                self._finish_direct(deadline)
+                return
+            if mode == SLOTS:
+                acc = out[:k]
+                for j in peers:
+                    combine(acc, views[j][used[j]][me * per : me * per + k])
+                self._read_until(used[me], q)
+                start = k
+        for lo in range(start, m, per):
             k = min(per, m - lo)
             q = self._begin()
             used = self._all_write(deadline)
@@ -326,10 +541,9 @@ class ShmCollectives:
                 slot[d * per : d * per + k] = inp[d * m + lo : d * m + lo + k]
             self.ctl.post(q)
             acc = out[lo : lo + k]
-            for j in range(n):
-                if j != me:
-                    self.ctl.wait(j, q, deadline)
-                    combine(acc, views[j][used[j]][me * per : me * per + k])
+            for j in peers:
+                self.ctl.wait(j, q, deadline)
+                combine(acc, views[j][used[j]][me * per : me * per + k])
             self._read_until(used[me], q)
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,

@@ -33,7 +33,7 @@ class TcpProcessGroup(ChannelProcessGroup):
 
     def connect_all(self) -> None:
         """Open every connection of this group now instead of on first use."""
-        self.channel.connect_all()
+        self.channel.connect_all()  # type: ignore[attr-defined]  # a TcpTransport channel
 
 
 def group_id(name: str) -> int:

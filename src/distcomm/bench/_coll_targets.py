@@ -159,7 +159,7 @@ def check_targets(
 
 
 def _entry(t: Target, membw_bytes: int, met: bool | None, **extra: Any) -> dict[str, Any]:
-    entry = {"target": t.text(membw_bytes), "kind": t.kind, "op": "rss" if t.kind == "rss" else t.op,
+    entry = {"target": t.text(membw_bytes), "kind": t.kind, "op": "rss" if t.kind == "rss" else t.op,  # type: ignore[var-annotated]
              "vs": t.vs or None, "need": t.need, "latency": t.latency, "met": met, "missed": [],
              "why": None}
     entry.update(extra)

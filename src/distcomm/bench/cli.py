@@ -19,6 +19,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "distcomm.bench.collectives",
         "time per call of each collective, 8 B to 64 MiB (--compare torch, --compare mpi, --plot)",
     ),
+    "launch": ("distcomm.bench.launch", "distcomm run start-up against torchrun; kill-to-report time"),
+    "ft": ("distcomm.bench.ft", "fault tolerance: Manager step overhead, chaos run (kill-to-resume, rejoin time)"),
+    "debug": ("distcomm.bench.debug", "cost of DETAIL and the flight recorder; time to report a dead or silent rank"),
     "plot": (
         "distcomm.bench.plot",
         "draw a 'bench collectives --json' file: busbw and p50 against size (needs matplotlib)",

@@ -388,7 +388,7 @@ def run_collectives_benchmark(config: CollBenchConfig, progress: Progress | None
     config.check()
     say = progress or (lambda _msg: None)
     libs = list(config.libs)
-    timing = "timing" in config.phases
+    timing = "timing" in config.phases  # type: ignore[operator]
     runs: dict[str, Any] = {op: {str(s): {lib: [] for lib in libs} for s in op_sizes(op, config.sizes)}
                             for op in (config.ops if timing else ())}
     results: dict[str, Any] = {
@@ -412,12 +412,12 @@ def run_collectives_benchmark(config: CollBenchConfig, progress: Progress | None
                 ranks[lib].ensure()
             except HelperError as e:
                 say(f"  {lib}: could not start: {e}")
-        if "membw" in config.phases:
+        if "membw" in config.phases:  # type: ignore[operator]
             say(f"membw: {config.world_size} processes copy {size_text(config.membw_bytes)} "
                 f"at once, {config.membw_reps} times ...")
             res = results["membw"] = _membw(ranks["distcomm"], config)
             say("  " + (_membw_line(res) if res["error"] is None else f"FAILED: {res['error']}"))
-        if "rss" in config.phases:
+        if "rss" in config.phases:  # type: ignore[operator]
             for lib in libs:
                 say(f"rss: {lib}, {config.rss_calls:,} all_reduce calls of {config.rss_bytes} B ...")
                 res = results["rss"][lib] = _rss(ranks[lib], config)
@@ -469,7 +469,7 @@ def _membw_line(res: dict[str, Any]) -> str:
 
 
 def _log_summary(log_dir: str) -> dict[str, Any]:
-    lines, sample = 0, []
+    lines, sample = 0, []  # type: ignore[var-annotated]
     for root, _dirs, files in os.walk(log_dir):
         for name in sorted(files):
             try:

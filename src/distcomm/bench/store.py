@@ -393,7 +393,7 @@ def _figure(label: str, unit: str, better: str, per_lib: dict[str, list[Any]],
         failed[lib] = len(vals) - len(good)
     ratio = None
     if "torch" in libs and values.get("distcomm") is not None and values.get("torch"):
-        ratio = values["distcomm"] / values["torch"]
+        ratio = values["distcomm"] / values["torch"]  # type: ignore[operator]
     return {"label": label, "unit": unit, "better": better, "median": values,
             "range": spread, "failed_reps": failed, "reps": {lib: len(per_lib.get(lib, [])) for lib in libs},
             "ratio": ratio}

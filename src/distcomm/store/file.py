@@ -125,7 +125,7 @@ def _pread(fd: int, size: int, offset: int) -> bytes:
 
 def _check_path(file_name: object) -> str:
     try:
-        path = os.fspath(file_name)  # type: ignore[arg-type]
+        path = os.fspath(file_name)  # type: ignore[arg-type, call-overload]
     except TypeError:
         path = None
     if not isinstance(path, str):
@@ -207,7 +207,7 @@ class FileStore(Store):
         state = "" if self._fd is not None else ", closed"
         return f"FileStore({self._path!r}, world_size={self._world_size}{state})"
 
-    def __reduce__(self) -> object:
+    def __reduce__(self) -> object:  # type: ignore[override]
         raise DistTypeError(
             f"FileStore {self._path!r} cannot be pickled; create a FileStore in each process"
         )

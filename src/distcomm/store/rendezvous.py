@@ -2,11 +2,16 @@
 
 Schemes:
 
-* ``env://`` reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and
-  ``WORLD_SIZE`` from the environment (``?rank=&world_size=`` in the URL,
-  or the ``rank``/``world_size`` arguments, take precedence).  Rank 0 hosts
-  the TCPStore, unless ``DISTCOMM_USE_AGENT_STORE`` (or torchrun's
-  ``TORCHELASTIC_USE_AGENT_STORE``) says a launcher already hosts it.
+* ``env://`` reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+  ``MASTER_PORT`` (``?rank=&world_size=`` in the URL, or the ``rank``/
+  ``world_size`` arguments, take precedence).  What they leave unset comes
+  from the launcher that started the process, if one is recognised
+  (torchrun, ``mpirun``/``mpiexec``, ``srun``: :mod:`distcomm.launch.environment`),
+  which also fills ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` when unset.
+  Rank 0 hosts the TCPStore, unless ``DISTCOMM_USE_AGENT_STORE`` says a
+  launcher (``distcomm run``, ``spawn``) already hosts it at
+  ``MASTER_ADDR:MASTER_PORT``; the store is then seen under
+  ``DISTCOMM_STORE_PREFIX`` (one prefix per generation of workers).
 * ``tcp://host:port?rank=R&world_size=N``: rank 0 hosts a TCPStore there.
 * ``file:///path?rank=R&world_size=N``: a FileStore at ``/path``.
 
@@ -23,8 +28,10 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import DistRendezvousError, DistTypeError
+from ..launch.environment import detect
 from .base import Store
 from .file import FileStore
+from .prefix import PrefixStore
 from .tcp_client import TCPStore
 
 __all__ = ["rendezvous", "register_rendezvous_handler", "RendezvousResult"]
@@ -154,23 +161,66 @@ def _tcp_handler(url: str, timeout: Timeout = DEFAULT_STORE_TIMEOUT, **_: object
     yield store, rank, size
 
 
+class _LauncherStore(PrefixStore):
+    """A launcher's store under this generation's prefix; closing it closes the connection."""
+
+    def close(self) -> None:
+        self.underlying_store.close()
+
+
+#: The variables env:// needs, in the order their absence is reported.
+_ENV_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int]:
+    """Rank, world size, store address and port: explicit variables, then the launcher's."""
+    env: dict[str, str] = dict(os.environ)
+    info = None if _truthy(env.get("DISTCOMM_USE_AGENT_STORE")) else detect(env)
+    if info is not None:
+        for name, value in zip(
+            _ENV_VARS, (info.world_size, info.rank, info.master_addr, info.master_port), strict=True
+        ):
+            if not env.get(name) and value is not None:
+                env[name] = str(value)
+        if info.store_port is not None:  # MASTER_PORT is the launcher's own store
+            env["MASTER_PORT"] = str(info.store_port)
+        for name, value in (("LOCAL_RANK", info.local_rank),
+                            ("LOCAL_WORLD_SIZE", info.local_world_size)):
+            if value is not None:  # for code that reads them, as under torchrun
+                os.environ.setdefault(name, str(value))
+    given = {"WORLD_SIZE": "world_size" in query, "RANK": "rank" in query}
+    missing = [v for v in _ENV_VARS if not env.get(v) and not given.get(v)]
+    where = "in the environment"
+    try:
+        rank, size = _rank_and_size(query, env)
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            raise DistRendezvousError(
+                f"MASTER_ADDR is not set {where}; expected the host name or address of rank 0",
+                variable="MASTER_ADDR",
+            )
+        port = _port(env.get("MASTER_PORT"), "MASTER_PORT", where)
+    except DistRendezvousError as e:
+        if e.variable not in missing:
+            raise
+        if info is None:
+            why = (f"not set: {', '.join(missing)}; no launcher found "
+                   "(distcomm run, torchrun, mpirun/mpiexec and srun set them)")
+        else:
+            why = f"{info.source} does not say it" + (f": {info.hint}" if info.hint else "")
+        raise DistRendezvousError(f"{e} ({why})", variable=e.variable) from None
+    return rank, size, addr, port
+
+
 def _env_handler(url: str, timeout: Timeout = DEFAULT_STORE_TIMEOUT, **_: object):
     query = dict(parse_qsl(urlparse(url).query))
-    env = os.environ
-    rank, size = _rank_and_size(query, env)
-    where = "in the environment"
-    addr = env.get("MASTER_ADDR")
-    if not addr:
-        raise DistRendezvousError(
-            f"MASTER_ADDR is not set {where}; expected the host name or address of rank 0",
-            variable="MASTER_ADDR",
-        )
-    port = _port(env.get("MASTER_PORT"), "MASTER_PORT", where)
-    agent = _truthy(env.get("DISTCOMM_USE_AGENT_STORE")) or _truthy(
-        env.get("TORCHELASTIC_USE_AGENT_STORE")
-    )
-    is_master = rank == 0 and not agent
-    store = TCPStore(addr, port, size, is_master, timeout, multi_tenant=True)
+    rank, size, addr, port = _env_settings(query)
+    if _truthy(os.environ.get("DISTCOMM_USE_AGENT_STORE")):
+        store = TCPStore(addr, port, None, False, timeout)
+        prefix = os.environ.get("DISTCOMM_STORE_PREFIX")
+        yield (_LauncherStore(prefix, store) if prefix else store), rank, size
+        return
+    store = TCPStore(addr, port, size, rank == 0, timeout, multi_tenant=True)
     yield store, rank, size
 
 

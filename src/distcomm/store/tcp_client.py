@@ -9,10 +9,17 @@ carries its timeout to the server, which answers TIMEOUT itself, so a timed
 out ``get`` leaves the connection usable.  If the server does not answer at
 all within the timeout plus a margin, or the connection breaks, the
 connection is closed and the next call reconnects.
+
+With a token (``auth_token=``, else ``DISTCOMM_AUTH_TOKEN``) the client and
+the server prove to each other that they know it before anything else is
+said (:mod:`.auth`); without one the handshake is protocol version 1, as it
+always was.  A master whose address is loopback (``127.x``, ``::1``,
+``localhost``) listens on loopback only.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import random
@@ -24,6 +31,7 @@ import time
 from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
 from ..errors import (
     DistConnectTimeoutError,
+    DistError,
     DistInputError,
     DistNetworkError,
     DistProtocolError,
@@ -33,7 +41,7 @@ from ..errors import (
     DistTypeError,
 )
 from ..fdlimit import ensure_fds
-from ..sockets import recv_exact
+from . import auth
 from . import tcp_protocol as p
 from .base import INTERNAL_PREFIX, Store, timeout_error
 from .tcp_server import StoreServer
@@ -47,6 +55,8 @@ _WORKERS_KEY = INTERNAL_PREFIX + "tcpstore/workers"
 _WORKERS_DONE_KEY = INTERNAL_PREFIX + "tcpstore/all_workers_joined"
 #: Backoff between connection attempts: starts here, doubles, capped.
 CONNECT_BACKOFF_START, CONNECT_BACKOFF_MAX = 0.01, 1.0
+#: The handshake may take this long even when the connect deadline is nearer.
+HANDSHAKE_MIN_WAIT = 1.0
 
 # Bumped in a forked child: stores then open their own connection.
 _fork_generation = [0]
@@ -65,7 +75,10 @@ class TCPStore(Store):
     user of the store, master included; with ``wait_for_workers`` the master's
     constructor returns once all of them have connected.  ``port=0`` on the
     master picks a free port; read it back from :attr:`port`.
-    ``use_libuv`` is accepted for compatibility and ignored.
+    ``use_libuv`` is accepted for compatibility and ignored.  ``auth_token``
+    (distcomm's own; default ``DISTCOMM_AUTH_TOKEN``, ``""`` for none) makes
+    the master require it from every client and every client require it
+    from the server.
     """
 
     def __init__(
@@ -79,9 +92,11 @@ class TCPStore(Store):
         multi_tenant: bool = False,
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
+        auth_token: str | bytes | None = None,
     ) -> None:
         super().__init__(timeout)
         _check_args(host_name, port, world_size, is_master)
+        self._auth = auth.resolve_token(auth_token)
         self._host = host_name
         self._port = port
         self._world_size = world_size
@@ -132,7 +147,9 @@ class TCPStore(Store):
                 self._tenant_port = self._port
                 return
             try:
-                server = StoreServer(bind_host, self._port, listen_fd=listen_fd)
+                server = StoreServer(
+                    bind_host, self._port, listen_fd=listen_fd, auth_token=self._auth or ""
+                )
             except OSError as e:
                 raise DistNetworkError(
                     f"cannot start the store server on {self._host}:{self._port}: {e.strerror or e}",
@@ -197,10 +214,16 @@ class TCPStore(Store):
 
     def _handshake(self, sock: socket.socket, addr: str, deadline: Deadline) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(max(deadline.remaining(), 5.0))
+        # Bounded by the deadline (with a floor, so a late attempt still gets a fair chance).
+        sock.settimeout(max(deadline.remaining(), HANDSHAKE_MIN_WAIT))
         try:
-            sock.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, 0))
-            reply = recv_exact(sock, p.HANDSHAKE_REPLY.size)
+            if self._auth is None:
+                sock.sendall(p.HANDSHAKE.pack(p.MAGIC, p.PLAIN_VERSION, 0))
+                self._check_reply(_recv(sock, p.HANDSHAKE_REPLY.size), addr)
+            else:
+                self._authenticate(sock, addr)
+        except DistError:
+            raise
         except TimeoutError:
             raise DistConnectTimeoutError(
                 f"the store at {addr} accepted the connection but did not answer the handshake",
@@ -211,16 +234,64 @@ class TCPStore(Store):
             raise DistNetworkError(
                 f"connection to the store at {addr} failed during the handshake: {e}", addr=addr
             ) from e
+
+    def _authenticate(self, sock: socket.socket, addr: str) -> None:
+        """Version 2: prove we know the token, and check that the server does."""
+        key = self._auth
+        assert key is not None
+        mine = auth.nonce()
+        sock.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, p.FLAG_AUTH) + mine)
+        status = self._check_reply(_recv(sock, p.HANDSHAKE_REPLY.size), addr)
+        if status != p.HS_CHALLENGE:
+            raise DistProtocolError(f"the store at {addr} answered status {status} to a handshake", addr=addr)
+        theirs = _recv(sock, auth.NONCE_BYTES)
+        their_proof = _recv(sock, auth.MAC_BYTES)
+        if not auth.verify(auth.proof(key, p.SERVER_LABEL, mine, theirs), their_proof):
+            raise auth.DistAuthenticationError(
+                f"the store at {addr} could not prove it knows this job's token: its "
+                f"{auth.ENV_VAR} (or auth_token) differs from this process's",
+                addr=addr,
+            )
+        sock.sendall(auth.proof(key, p.CLIENT_LABEL, theirs, mine))
+        self._check_reply(_recv(sock, p.HANDSHAKE_REPLY.size), addr)
+
+    def _check_reply(self, reply: bytes, addr: str) -> int:
+        """Raise for a refusing handshake reply; return its status otherwise."""
         magic, version, status, _ = p.HANDSHAKE_REPLY.unpack(reply)
         if magic != p.MAGIC:
             raise DistProtocolError(
                 f"{addr} is not a distcomm store (it answered {reply!r})", addr=addr
             )
-        if status != p.HS_OK:
-            raise DistProtocolError(
-                f"the store at {addr} speaks protocol v{version}; this client speaks v{p.VERSION}",
+        if status in (p.HS_OK, p.HS_CHALLENGE):
+            return status
+        if status == p.HS_AUTH_REQUIRED:
+            raise auth.DistAuthenticationError(
+                f"the store at {addr} requires authentication: set {auth.ENV_VAR} (or pass "
+                "auth_token=) to the job's token",
                 addr=addr,
             )
+        if status == p.HS_AUTH_FAILED:
+            raise auth.DistAuthenticationError(
+                f"the store at {addr} refused this process's token: its {auth.ENV_VAR} (or "
+                "auth_token) differs from the server's",
+                addr=addr,
+            )
+        if status == p.HS_NO_AUTH:
+            raise auth.DistAuthenticationError(
+                f"the store at {addr} does not use authentication but this process has a token "
+                f"({auth.ENV_VAR} or auth_token): give the server the same token, or unset it here",
+                addr=addr,
+            )
+        if self._auth is not None and status == p.HS_UNSUPPORTED:
+            raise auth.DistAuthenticationError(
+                f"the store at {addr} speaks protocol v{version}, which has no authentication, "
+                f"but this process has a token ({auth.ENV_VAR} or auth_token)",
+                addr=addr,
+            )
+        raise DistProtocolError(
+            f"the store at {addr} speaks protocol v{version}; this client speaks v{p.VERSION}",
+            addr=addr,
+        )
 
     # -- requests ----------------------------------------------------------
     def _call(
@@ -415,11 +486,41 @@ def _join(keys: list[str]) -> bytes:
     return "\0".join(keys).encode()
 
 
+def _recv(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes of a handshake (the socket's timeout bounds each read)."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("the server closed the connection during the handshake")
+        buf += chunk
+    return bytes(buf)
+
+
 def _bind_host(host: str) -> str:
-    """Where the master listens: every interface, unless ``host`` is loopback."""
-    if host in ("localhost", "::1") or host.startswith("127."):
-        return host
-    return "::" if ":" in host else "0.0.0.0"
+    """Where the master listens: loopback only if ``host`` is loopback, else everywhere."""
+    bare = host.strip("[]")
+    if is_loopback(bare):
+        return bare.lower()
+    return "::" if ":" in bare else "0.0.0.0"
+
+
+#: Names that mean loopback wherever they are resolved.
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or a loopback name such as ``localhost``.
+
+    Other names are not resolved: a name that maps to ``127.0.1.1`` in this
+    machine's ``/etc/hosts`` may well be the real address elsewhere.
+    """
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_args(host_name: object, port: object, world_size: object, is_master: object) -> None:

@@ -1,15 +1,34 @@
-"""Wire protocol of ``TCPStore`` (version 1).
+"""Wire protocol of ``TCPStore`` (version 2; version 1 is still served).
 
 All integers are big-endian.
 
 Handshake (once, right after connect)::
 
-    client -> server   b"DCKV"  u16 version  u16 reserved (0)            8 bytes
+    client -> server   b"DCKV"  u16 version  u16 flags                   8 bytes
     server -> client   b"DCKV"  u16 version  u8 status  u8 reserved (0)  8 bytes
 
-``status`` is 0 (accepted) or 1 (the server does not speak the client's
-version; it then closes).  A server receiving anything but ``b"DCKV"`` logs
-the peer and drops that connection only.
+Version 1 (a client without a token, exactly as before version 2 existed):
+``flags`` is 0 and ``status`` is 0 (accepted) or 1 (the server does not
+speak the client's version; it then closes).  The server answers with the
+client's version.
+
+Version 2 adds authentication (:mod:`.auth`).  A client that has a token
+sends version 2 with flag AUTH (1) followed by its 32-byte nonce ``cn``; the
+server answers ``status`` 2 CHALLENGE followed by its nonce ``sn`` and its
+proof ``HMAC(token, "distcomm-store-v2 server", cn, sn)`` (32 bytes each).
+The client checks that proof (so it authenticates the server too), then
+sends ``HMAC(token, "distcomm-store-v2 client", sn, cn)``; the server answers
+the 8-byte reply once more with status 0 (accepted) or 4 AUTH_FAILED.  The
+token itself never crosses the wire.  Other statuses: 3 AUTH_REQUIRED (the
+server has a token, the client offered none), 5 NO_AUTH (the client offered
+authentication, the server has no token).  Every refusal is logged by the
+server (logger ``distcomm.store``, warning) and closes that connection only.
+A version-2 handshake without flag AUTH is served like version 1.  A
+version-1 server answers a version-2 client with status 1.
+
+A server receiving anything but ``b"DCKV"`` logs the peer and drops that
+connection only; so does a connection that has not finished its handshake
+within the server's handshake timeout.
 
 Frames (after the handshake, both ways)::
 
@@ -58,10 +77,19 @@ from __future__ import annotations
 import struct
 
 MAGIC = b"DCKV"
-VERSION = 1
+#: Highest version spoken; every version from :data:`MIN_VERSION` on is served.
+VERSION = 2
+MIN_VERSION = 1
+#: The version a client without a token speaks (unchanged since version 1).
+PLAIN_VERSION = 1
 HANDSHAKE = struct.Struct(">4sHH")
 HANDSHAKE_REPLY = struct.Struct(">4sHBB")
-HS_OK, HS_UNSUPPORTED = 0, 1
+HS_OK, HS_UNSUPPORTED, HS_CHALLENGE, HS_AUTH_REQUIRED, HS_AUTH_FAILED, HS_NO_AUTH = range(6)
+#: Handshake flag: the client authenticates (a nonce follows the 8 bytes).
+FLAG_AUTH = 1
+#: Labels binding each proof to its role (see :func:`distcomm.store.auth.proof`).
+SERVER_LABEL = b"distcomm-store-v2 server"
+CLIENT_LABEL = b"distcomm-store-v2 client"
 
 U32 = struct.Struct(">I")
 I64 = struct.Struct(">q")

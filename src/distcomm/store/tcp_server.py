@@ -8,8 +8,13 @@ Each waiter has a deadline; at the deadline the server answers TIMEOUT.  A
 connection with a parked request is not read further until it is answered,
 so answers leave in request order.
 
-A misbehaving connection (garbage, foreign protocol, oversize frame) is
-logged and closed; nothing else is touched.  Running out of file descriptors
+A misbehaving connection (garbage, foreign protocol, oversize frame, no
+handshake in time, a failed authentication) is logged and closed; nothing
+else is touched.  Warnings about dropped connections are rate limited (a
+port scanner does not flood the log); :attr:`StoreServer.stats` counts them
+all.  With a token (``auth_token=``, else ``DISTCOMM_AUTH_TOKEN``) only
+clients that prove they know it get past the handshake (see
+:mod:`.tcp_protocol`).  Running out of file descriptors
 is logged with the limit and what to do about it, and accepting pauses
 briefly instead of spinning.
 """
@@ -30,6 +35,7 @@ from collections import deque
 
 from ..errors import DistStoreValueError
 from ..fdlimit import fd_limits, raise_fd_limit
+from . import auth
 from . import tcp_protocol as p
 from .base import INTERNAL_PREFIX, MAX_KEY_BYTES, apply_add, apply_compare_set
 
@@ -37,18 +43,23 @@ __all__ = ["StoreServer"]
 
 log = logging.getLogger("distcomm.store")
 
-#: A connection must complete its handshake within this many seconds.
+#: A connection must complete its handshake within this many seconds (default).
 HANDSHAKE_TIMEOUT = 60.0
+#: At most this many warnings about dropped connections per LOG_WINDOW seconds.
+LOG_BURST, LOG_WINDOW = 20, 60.0
 #: How long accepting pauses after the process ran out of file descriptors.
 EMFILE_PAUSE = 0.1
 _INTERNAL = INTERNAL_PREFIX.encode()
 _RECV_SIZE = 256 * 1024
+#: Longest single wait of the event loop (s); later deadlines are reached in several waits.
+_MAX_POLL = 3600.0
 #: WAITs whose key list is at least this long share cursors (rendezvous of many clients).
 _SHARE_WAIT_BYTES = 256
 
 
 class _Conn:
-    __slots__ = ("sock", "addr", "rbuf", "wbuf", "woff", "ready", "waiter", "closed", "writing")
+    __slots__ = ("sock", "addr", "rbuf", "wbuf", "woff", "ready", "waiter", "closed", "writing",
+                 "challenge")
 
     def __init__(self, sock: socket.socket, addr: str) -> None:
         self.sock = sock
@@ -60,6 +71,7 @@ class _Conn:
         self.waiter: _Waiter | None = None
         self.closed = False
         self.writing = False
+        self.challenge: tuple[bytes, bytes] | None = None  # (client, server) nonces
 
 
 class _Waiter:
@@ -87,8 +99,11 @@ class StoreServer:
     """Serve a store on ``host:port`` from a background thread of this process.
 
     ``port=0`` picks a free port (see :attr:`port`).  ``listen_fd`` adopts an
-    already bound socket instead.  :meth:`close` stops the thread and closes
-    every socket.
+    already bound socket instead.  ``auth_token`` (default: the
+    ``DISTCOMM_AUTH_TOKEN`` environment variable; ``""`` for none) makes
+    every client authenticate.  A connection that has not completed its
+    handshake after ``handshake_timeout`` seconds is dropped.  :meth:`close`
+    stops the thread and closes every socket.
     """
 
     def __init__(
@@ -97,7 +112,13 @@ class StoreServer:
         port: int = 0,
         listen_fd: int | None = None,
         backlog: int | None = None,
+        auth_token: str | bytes | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ) -> None:
+        self._auth = auth.resolve_token(auth_token)
+        self._handshake_timeout = float(handshake_timeout)
+        #: Counters: ``accepted`` connections, ``dropped`` (misbehaving), ``refused_auth``.
+        self.stats = {"accepted": 0, "dropped": 0, "refused_auth": 0}
         raise_fd_limit()
         if listen_fd is not None:
             self._listener = socket.socket(fileno=listen_fd)
@@ -107,6 +128,7 @@ class StoreServer:
             self._listener.listen(backlog or _default_backlog())
             self._listener.setblocking(False)
             self.port: int = self._listener.getsockname()[1]
+            self._refusals = auth.RefusalLog(log, f"store server on port {self.port}", LOG_BURST, LOG_WINDOW)
             self.host = host
             self._data: dict[bytes, bytes] = {}
             self._visible = 0  # keys num_keys counts
@@ -150,6 +172,16 @@ class StoreServer:
     def num_connections(self) -> int:
         return len(self._conns)
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether clients must prove they know a token."""
+        return self._auth is not None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the server thread is still serving."""
+        return self._thread.is_alive() and not self._stop
+
     def _run(self) -> None:
         try:
             while not self._stop:
@@ -169,8 +201,8 @@ class StoreServer:
 
     def _loop_once(self) -> None:
         timeout = None
-        if self._timers:
-            timeout = max(0.0, self._timers[0][0] - time.monotonic())
+        if self._timers:  # (capped: a client may ask to wait for ever, epoll may not)
+            timeout = min(max(0.0, self._timers[0][0] - time.monotonic()), _MAX_POLL)
         if self._resume:
             timeout = 0.0
         for obj, mask in self._sel.select(timeout):
@@ -212,8 +244,9 @@ class StoreServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, _fmt_addr(addr))
             self._conns.add(conn)
+            self.stats["accepted"] += 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
-            self._timer(time.monotonic() + HANDSHAKE_TIMEOUT, "handshake", conn)
+            self._timer(time.monotonic() + self._handshake_timeout, "handshake", conn)
 
     def _pause_accept(self, e: OSError) -> None:
         if not self._emfile_logged:
@@ -232,7 +265,8 @@ class StoreServer:
         if conn.closed:
             return
         if reason:
-            log.warning("store server on port %d dropped %s: %s", self.port, conn.addr, reason)
+            self.stats["dropped"] += 1
+            self._refusals.warn("store server on port %d dropped %s: %s", self.port, conn.addr, reason)
         conn.closed = True
         w = conn.waiter
         if w is not None:
@@ -253,6 +287,8 @@ class StoreServer:
             self._drop(conn)
             return
         if not data:
+            if conn.challenge is not None:
+                self._refuse(conn, "left during authentication (its token is not this server's?)")
             self._drop(conn)
             return
         if conn.rbuf:
@@ -305,23 +341,11 @@ class StoreServer:
         buf = conn.rbuf
         pos = 0
         if not conn.ready:
-            if len(buf) < p.HANDSHAKE.size:
-                if not p.MAGIC.startswith(bytes(buf[:4])):
-                    self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
+            pos = self._handshake(conn, buf)
+            if not conn.ready:
+                if pos and not conn.closed:
+                    del buf[:pos]
                 return
-            magic, version, _ = p.HANDSHAKE.unpack_from(buf)
-            if magic != p.MAGIC:
-                self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
-                return
-            if version != p.VERSION:
-                self._send(conn, p.HANDSHAKE_REPLY.pack(p.MAGIC, p.VERSION, p.HS_UNSUPPORTED, 0))
-                self._drop(
-                    conn, f"client speaks store protocol v{version}, this server v{p.VERSION}"
-                )
-                return
-            self._send(conn, p.HANDSHAKE_REPLY.pack(p.MAGIC, p.VERSION, p.HS_OK, 0))
-            conn.ready = True
-            pos = p.HANDSHAKE.size
         end = len(buf)
         while conn.waiter is None and not conn.closed and end - pos >= 4:
             (n,) = p.U32.unpack_from(buf, pos)
@@ -337,8 +361,76 @@ class StoreServer:
             except p.BadFrame as e:
                 self._drop(conn, f"malformed request ({e})")
                 return
+            except Exception as e:  # a bug: lose this connection, not the server
+                log.exception("store server on port %d failed on a request of %s", self.port, conn.addr)
+                self._drop(conn, f"internal error ({type(e).__name__})")
+                return
         if pos:
             del buf[:pos]
+
+    def _handshake(self, conn: _Conn, buf: bytearray) -> int:
+        """Advance ``conn``'s handshake with what ``buf`` holds; return the bytes used."""
+        if conn.challenge is not None:
+            return self._check_proof(conn, buf)
+        size = p.HANDSHAKE.size
+        if len(buf) < size:
+            if not p.MAGIC.startswith(bytes(buf[:4])):
+                self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
+            return 0
+        magic, version, flags = p.HANDSHAKE.unpack_from(buf)
+        if magic != p.MAGIC:
+            self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
+            return 0
+        if not p.MIN_VERSION <= version <= p.VERSION:
+            self._reply(conn, p.VERSION, p.HS_UNSUPPORTED)
+            self._drop(conn, f"client speaks store protocol v{version}, this server v{p.VERSION}")
+            return 0
+        wants_auth = version >= 2 and flags & p.FLAG_AUTH
+        if not wants_auth:
+            if self._auth is not None:
+                self._reply(conn, version, p.HS_AUTH_REQUIRED)
+                self._refuse(conn, "unauthenticated connection refused (the client has no token)")
+                return 0
+            self._reply(conn, version, p.HS_OK)
+            conn.ready = True
+            return size
+        if len(buf) < size + auth.NONCE_BYTES:
+            return 0
+        if self._auth is None:
+            self._reply(conn, version, p.HS_NO_AUTH)
+            self._drop(conn, "the client authenticates but this server has no token")
+            return 0
+        client_nonce = bytes(buf[size : size + auth.NONCE_BYTES])
+        server_nonce = auth.nonce()
+        mine = auth.proof(self._auth, p.SERVER_LABEL, client_nonce, server_nonce)
+        self._send(conn, p.HANDSHAKE_REPLY.pack(p.MAGIC, version, p.HS_CHALLENGE, 0) + server_nonce + mine)
+        conn.challenge = (client_nonce, server_nonce)
+        used = size + auth.NONCE_BYTES
+        if conn.closed:
+            return 0
+        return used + self._check_proof(conn, buf, used)
+
+    def _check_proof(self, conn: _Conn, buf: bytearray, start: int = 0) -> int:
+        if len(buf) - start < auth.MAC_BYTES:
+            return 0
+        assert conn.challenge is not None and self._auth is not None
+        client_nonce, server_nonce = conn.challenge
+        expected = auth.proof(self._auth, p.CLIENT_LABEL, server_nonce, client_nonce)
+        if not auth.verify(expected, bytes(buf[start : start + auth.MAC_BYTES])):
+            self._reply(conn, p.VERSION, p.HS_AUTH_FAILED)
+            self._refuse(conn, "authentication failed (the client's token is not this server's)")
+            return 0
+        conn.challenge = None
+        self._reply(conn, p.VERSION, p.HS_OK)
+        conn.ready = True
+        return auth.MAC_BYTES
+
+    def _reply(self, conn: _Conn, version: int, status: int) -> None:
+        self._send(conn, p.HANDSHAKE_REPLY.pack(p.MAGIC, version, status, 0))
+
+    def _refuse(self, conn: _Conn, reason: str) -> None:
+        self.stats["refused_auth"] += 1
+        self._drop(conn, reason)
 
     # -- requests --------------------------------------------------------
     def _handle(self, conn: _Conn, body: bytes) -> None:
@@ -522,7 +614,7 @@ class StoreServer:
                     self._expire(obj)
             elif kind == "handshake":
                 if not obj.closed and not obj.ready:
-                    self._drop(obj, f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
+                    self._drop(obj, f"no handshake within {self._handshake_timeout:g} s")
             elif kind == "accept" and self._accept_paused and not self._stop:
                 self._accept_paused = False
                 self._sel.register(self._listener, selectors.EVENT_READ, None)

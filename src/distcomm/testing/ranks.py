@@ -144,7 +144,7 @@ def _die_with_parent(forkserver_child: bool) -> None:
         try:
             from multiprocessing import forkserver
 
-            server = forkserver._forkserver
+            server: Any = forkserver._forkserver  # private: looked at with care
             if server._forkserver_pid is None and server._forkserver_alive_fd is not None:
                 os.close(server._forkserver_alive_fd)
                 server._forkserver_alive_fd = None

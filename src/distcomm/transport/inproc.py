@@ -77,7 +77,7 @@ class _Request(Request):
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
-        self.buf = None  # drop the reference to the caller's buffer
+        self.buf = None  # type: ignore[assignment]  # drop the reference to the caller's buffer
         self._event.set()
 
     def done(self) -> bool:
@@ -179,7 +179,7 @@ class InProcChannel(Channel):
         if error is not None:
             req._finish(error)
         else:
-            _deliver(req, recv)
+            _deliver(req, recv)  # type: ignore[arg-type]
         return req
 
     def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
@@ -199,7 +199,7 @@ class InProcChannel(Channel):
         if error is not None:
             req._finish(error)
         else:
-            _deliver(send, req)
+            _deliver(send, req)  # type: ignore[arg-type]
         return req
 
     def abort(self, cause: BaseException) -> None:
@@ -288,10 +288,10 @@ class InProcHub:
             own = [req for queue in ch._posted.values() for req in queue]
             ch._posted.clear()
             for send in ch._outgoing:
-                queue = self.channels[send.peer]._arrived[send.tag]
+                queue = self.channels[send.peer]._arrived[send.tag]  # type: ignore[index]
                 queue.remove(send)
                 if not queue:
-                    del self.channels[send.peer]._arrived[send.tag]
+                    del self.channels[send.peer]._arrived[send.tag]  # type: ignore[index]
                 own.append(send)
             ch._outgoing.clear()
             failed.extend((req, own_error(req)) for req in own)

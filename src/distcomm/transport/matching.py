@@ -101,7 +101,7 @@ class _Done(Request):
         if not self._event.wait(deadline.remaining()):
             raise DistTimeoutError(
                 f"timed out after {deadline.seconds:g} s {self._describe()}",
-                timeout=deadline.seconds,
+                timeout=deadline.seconds, peer=getattr(self, "peer", None),
             )
         if self.error is not None:
             raise self.error

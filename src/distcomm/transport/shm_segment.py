@@ -12,6 +12,12 @@ even ``kill -9`` leaves nothing in /dev/shm.  A file left by a process that
 died in the short window before the unlink carries its creator's pid in its
 name: :func:`reclaim_leftovers` removes such files once their creator is gone
 and they are old enough not to belong to a job still starting up.
+
+:func:`open_each` is the variant for per-rank memory (the heaps of
+:mod:`.shm_heap`): every rank creates a *sparse* segment of its own (no
+pages reserved up front; its owner reserves ranges later with
+:meth:`Segment.reserve`), maps every other rank's, and the names go once all
+ranks mapped all of them.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import time
 
 from ..errors import DistBackendError
 
-__all__ = ["Segment", "SHM_DIR", "host_key", "open_shared", "reclaim_leftovers"]
+__all__ = ["Segment", "SHM_DIR", "host_key", "open_each", "open_shared", "reclaim_leftovers"]
 
 SHM_DIR = os.environ.get("DISTCOMM_SHM_DIR", "/dev/shm")
 _NAME = re.compile(r"^distcomm-(\d+)-[0-9a-f]+-[\w.]+$")
@@ -32,15 +38,26 @@ RECLAIM_MIN_AGE = 60.0
 
 
 class Segment:
-    """A mapped shared-memory file.  ``buf`` is its writable memoryview."""
+    """A mapped shared-memory file.  ``buf`` is its writable memoryview.
 
-    def __init__(self, name: str, size: int, fd: int, owner: bool) -> None:
+    A sparse segment (``create(..., sparse=True)``) keeps its file descriptor
+    (``fd``) open until :meth:`close`, for :meth:`reserve`; others close it
+    once mapped (``fd`` is -1).
+    """
+
+    def __init__(self, name: str, size: int, fd: int, owner: bool, keep_fd: bool = False) -> None:
         self.name = name
         self.size = size
         self.owner = owner
+        self.fd = -1
         try:
             self._map = mmap.mmap(fd, size) if size else None
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if keep_fd:
+            self.fd = fd
+        else:
             os.close(fd)
         self.buf = memoryview(self._map) if self._map is not None else memoryview(b"")
         self._linked = owner
@@ -50,13 +67,17 @@ class Segment:
         return os.path.join(SHM_DIR, self.name)
 
     @classmethod
-    def create(cls, label: str, size: int, token: str) -> Segment:
-        """A new segment of ``size`` bytes; one-line errors for no room or a name taken."""
+    def create(cls, label: str, size: int, token: str, sparse: bool = False) -> Segment:
+        """A new segment of ``size`` bytes; one-line errors for no room or a name taken.
+
+        ``sparse``: reserve nothing now (the file may be larger than the free
+        space) and keep the descriptor open for :meth:`reserve`.
+        """
         reclaim_leftovers()
         name = f"distcomm-{os.getpid()}-{token}-{label}"
         path = os.path.join(SHM_DIR, name)
         free = free_bytes()
-        if size > free:
+        if size > free and not sparse:
             raise DistBackendError(
                 f"{SHM_DIR} has {_mib(free)} free but the shared-memory backend needs "
                 f"{_mib(size)} for segment {name!r}; free space in {SHM_DIR}, enlarge it "
@@ -71,7 +92,7 @@ class Segment:
             ) from None
         try:
             os.ftruncate(fd, size)
-            if size:
+            if size and not sparse:
                 os.posix_fallocate(fd, 0, size)
         except OSError as e:
             os.close(fd)
@@ -85,10 +106,26 @@ class Segment:
             os.unlink(path)
             raise
         try:
-            return cls(name, size, fd, owner=True)
+            return cls(name, size, fd, owner=True, keep_fd=sparse)
         except BaseException:
             os.unlink(path)
             raise
+
+    def reserve(self, offset: int, length: int) -> None:
+        """Back ``[offset, offset + length)`` with pages now (sparse segments), so
+        touching it can never SIGBUS; a full /dev/shm is a one-line error."""
+        if length <= 0:
+            return
+        if self.fd < 0:
+            raise DistBackendError(f"shared-memory segment {self.name!r} is closed or not sparse")
+        try:
+            os.posix_fallocate(self.fd, offset, length)
+        except OSError as e:
+            raise DistBackendError(
+                f"{SHM_DIR} has {_mib(free_bytes())} free but {_mib(length)} ({length} bytes) are "
+                f"needed in {self.name!r}: {e.strerror}; free space in {SHM_DIR}, enlarge it "
+                "(docker: --shm-size), or use smaller arrays"
+            ) from None
 
     @classmethod
     def attach(cls, name: str, size: int) -> Segment:
@@ -119,6 +156,9 @@ class Segment:
         """Unlink (if owner) and unmap.  Views into ``buf`` must be dropped first;
         if some are still alive the mapping is left to the garbage collector."""
         self.unlink()
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
         try:
             self.buf.release()
         except BufferError:
@@ -201,6 +241,41 @@ def open_shared(store, rank: int, size: int, label: str, nbytes: int, timeout: f
         seg.close()
         raise
     return seg
+
+
+def open_each(store, rank: int, size: int, label: str, nbytes: int, timeout: float) -> list[Segment | None]:
+    """A sparse segment of ``nbytes`` per rank (none for a rank passing 0), each
+    mapped by every rank; returned by rank, this rank's own (the owner, its
+    descriptor open) included.  The names are unlinked as soon as every rank
+    mapped every segment, as in :func:`open_shared`.  Ranks may pass different
+    sizes; every rank must call it with the same ``label``.
+    """
+    from datetime import timedelta
+
+    from ..store.exchange import all_gather_strings
+
+    key = f"shm/{label}"
+    segs: list[Segment | None] = [None] * size
+    try:
+        if nbytes:
+            segs[rank] = Segment.create(label, nbytes, os.urandom(6).hex(), sparse=True)
+        mine = segs[rank]
+        names = all_gather_strings(store, rank, size, key, f"{mine.name}:{nbytes}" if mine else "", timeout)
+        for r, value in enumerate(names):
+            if r != rank and value:
+                name, n = value.rsplit(":", 1)
+                segs[r] = Segment.attach(name, int(n))
+        if store.add(f"{key}/mapped", 1) == size:
+            store.set(f"{key}/all", b"")
+        store.wait([f"{key}/all"], timedelta(seconds=timeout))
+    except BaseException:
+        for seg in segs:
+            if seg is not None:
+                seg.close()
+        raise
+    if mine is not None:
+        mine.unlink()
+    return segs
 
 
 def host_key() -> str:

@@ -12,6 +12,14 @@ reads every socket (large payloads go straight into the posted buffer with
 ``recv_into``), and finishes writes the kernel could not take at once.  A
 connection that ends fails every request that depended on that peer with a
 :class:`~distcomm.errors.DistBackendError` naming it.
+
+With an authentication token (``auth_token=``, else the one
+``init_process_group(auth_token=...)`` or ``DISTCOMM_AUTH_TOKEN`` gives,
+else the store's) every connection runs the challenge-response handshake of
+:mod:`.tcp_wire`; refused connections are logged (rate limited) and closed
+without touching any other.  Connections that do not finish their handshake
+within :data:`~.tcp_wire.HELLO_TIMEOUT` are closed.  A peer that breaks the
+frame protocol loses its own connection only.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections.abc import Mapping
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistError, DistNetworkError
 from ..sockets import recv_exact
+from ..store import auth
 from ..store.base import Store
 from . import tcp_wire as w
 from .base import Channel, Request
@@ -60,6 +69,20 @@ _WRITER_POLL_MS = 500
 CLOSE_LINGER = 10.0
 #: How long closing waits for peers to close their side of each connection.
 CLOSE_EOF_WAIT = 1.0
+
+
+class _Hello:
+    """An accepted connection still in its handshake."""
+
+    __slots__ = ("sock", "buf", "need", "since", "rank", "nonces")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.need = w.HELLO.size  # bytes the current step needs
+        self.since = time.monotonic()
+        self.rank: int | None = None
+        self.nonces: tuple[bytes, bytes] | None = None  # (connector's, ours) once challenged
 
 
 class _Out:
@@ -98,11 +121,19 @@ class _Peer:
         self.body: memoryview | None = None  # payload being received
         self.body_pos = 0
         self.body_done = None  # callable run when the payload is complete
+        self.skip = 0  # payload bytes still to read and discard
         self.paused = False
+        self.left = False  # it said BYE: it connected, then destroyed its group
 
 
 class TcpTransport:
-    """Point-to-point messages between the processes of one job, over TCP."""
+    """Point-to-point messages between the processes of one job, over TCP.
+
+    ``token`` is the job token every connection must present.  ``auth_token``
+    (default: the ambient token, see :func:`distcomm.store.auth.resolve_token`,
+    else the store's) turns on authenticated handshakes; ``hello_timeout``
+    bounds how long an accepted connection may take to complete its handshake.
+    """
 
     def __init__(
         self,
@@ -112,11 +143,16 @@ class TcpTransport:
         token: bytes,
         timeout: float,
         master_addr: str | None = None,
+        auth_token: str | bytes | None = None,
+        hello_timeout: float = w.HELLO_TIMEOUT,
     ) -> None:
         self.rank = rank
+        self._hello_timeout = hello_timeout
         self.size = size
         self._store = store
         self._token = token
+        self._auth = _job_auth(store, auth_token)
+        self._refusals = auth.RefusalLog(log, f"rank {rank}'s transport")
         self._timeout = timeout
         self._mu = threading.Lock()
         self._matcher = Matcher()
@@ -189,8 +225,8 @@ class TcpTransport:
                 req.complete(p.error if p.state == "dead" else self._aborted[group])
                 return req
             key = (group, tag)
-            granted = p.grants.get(key, 0)
-            if granted:
+            granted = p.grants.pop(key, 0)
+            if granted > 1:  # (spent grants leave: tags are not reused, the dict must not grow)
                 p.grants[key] = granted - 1
             if n <= _COPY_BYTES:  # tiny: one buffer, one write
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n) + view, None, req))
@@ -380,7 +416,7 @@ class TcpTransport:
                     f"rank {p.rank} did not connect within {deadline.seconds:g} s", peer=p.rank
                 )
             time.sleep(0.001)
-        if p.state == "dead":
+        if p.state == "dead" and not p.left:  # a peer that connected and left is no error here
             raise p.error  # type: ignore[misc]
 
     def _connect(self, p: _Peer) -> None:
@@ -394,9 +430,7 @@ class TcpTransport:
             host, _, port = addr.rpartition(":")
             sock = _connect_retry(host, int(port), deadline, p.rank)
             try:
-                sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
-                reply = recv_exact(sock, w.HELLO.size)
-                _check_hello(reply, self._token, p.rank)
+                self._hello(sock, p.rank)
                 sock.setblocking(False)
             except BaseException:
                 sock.close()
@@ -408,6 +442,25 @@ class TcpTransport:
                 ))
             return
         self._attach(p, sock)
+
+    def _hello(self, sock: socket.socket, rank: int) -> None:
+        """The connector's side of the handshake with ``rank`` (blocking)."""
+        if self._auth is None:
+            sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
+            _check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, False)
+            return
+        mine = auth.nonce()
+        sock.sendall(w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, self._token, self.rank) + mine)
+        _check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, True)
+        theirs = recv_exact(sock, auth.NONCE_BYTES)
+        their_proof = recv_exact(sock, auth.MAC_BYTES)
+        ctx = _context(self._token, self.rank, rank)
+        if not auth.verify(auth.proof(self._auth, w.LISTENER_LABEL, mine, theirs, ctx), their_proof):
+            raise auth.DistAuthenticationError(
+                f"rank {rank} could not prove it knows this job's token: its {auth.ENV_VAR} "
+                "(or auth_token) differs from this process's", peer=rank,
+            )
+        sock.sendall(auth.proof(self._auth, w.CONNECTOR_LABEL, theirs, mine, ctx))
 
     def _attach(self, p: _Peer, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -506,11 +559,13 @@ class TcpTransport:
 
     # -- the progress thread ---------------------------------------------------------
     def _run(self) -> None:
-        hello: dict[int, tuple[socket.socket, bytearray]] = {}
+        hello: dict[int, _Hello] = {}
         lfd, wfd = self._listener.fileno(), self._wake_r.fileno()
         try:
             while not self._closed:
-                for fd, _ev in self._ep.poll():
+                if hello:
+                    self._expire_hellos(hello)
+                for fd, _ev in self._ep.poll(min(1.0, self._hello_timeout) if hello else -1):
                     if fd == lfd:
                         self._accept(hello)
                     elif fd == wfd:
@@ -539,10 +594,10 @@ class TcpTransport:
                 for p in self._peers.values():
                     self._kill(p, err)
         finally:
-            for sock, _ in hello.values():
-                sock.close()
+            for h in hello.values():
+                h.sock.close()
 
-    def _accept(self, hello: dict) -> None:
+    def _accept(self, hello: dict[int, _Hello]) -> None:
         while True:
             try:
                 sock, _ = self._listener.accept()
@@ -552,49 +607,117 @@ class TcpTransport:
                 if e.errno in (errno.EMFILE, errno.ENFILE):
                     log.error("rank %d cannot accept a connection: %s", self.rank, e)
                 return
+            if len(hello) >= w.MAX_PENDING_HELLOS:  # a flood: the oldest goes
+                self._end_hello(next(iter(hello)), hello, "too many connections in their handshake")
             sock.setblocking(False)
-            hello[sock.fileno()] = (sock, bytearray())
+            hello[sock.fileno()] = _Hello(sock)
             self._ep.register(sock.fileno(), select.EPOLLIN)
 
-    def _read_hello(self, fd: int, hello: dict) -> None:
-        sock, buf = hello[fd]
+    def _expire_hellos(self, hello: dict[int, _Hello]) -> None:
+        limit = time.monotonic() - self._hello_timeout
+        for fd in [fd for fd, h in hello.items() if h.since < limit]:
+            self._end_hello(fd, hello, f"no handshake within {self._hello_timeout:g} s")
+
+    def _end_hello(self, fd: int, hello: dict[int, _Hello], reason: str | None) -> socket.socket:
+        """Take ``fd`` out of the handshake; close it (and log ``reason``) unless reason is None."""
+        h = hello.pop(fd)
         try:
-            chunk = sock.recv(w.HELLO.size - len(buf))
+            self._ep.unregister(fd)
+        except (OSError, ValueError):
+            pass
+        if reason is not None:
+            self._refusals.warn("rank %d refused a connection from %s: %s",
+                                self.rank, _peer_name(h.sock), reason)
+            h.sock.close()
+        return h.sock
+
+    def _read_hello(self, fd: int, hello: dict[int, _Hello]) -> None:
+        """The listener's side of the handshake, one step per call (never blocks)."""
+        h = hello[fd]
+        try:
+            chunk = h.sock.recv(h.need - len(h.buf))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             chunk = b""
-        buf += chunk
-        if chunk and len(buf) < w.HELLO.size:
+        if not chunk:
+            why = "left during authentication (a different token?)" if h.nonces else "closed during the handshake"
+            self._end_hello(fd, hello, why)
             return
-        del hello[fd]
-        self._ep.unregister(fd)
+        h.buf += chunk
+        if len(h.buf) < h.need:
+            if h.nonces is None and not w.MAGIC.startswith(bytes(h.buf[:4])):
+                self._end_hello(fd, hello, f"not a distcomm peer (sent {bytes(h.buf[:8])!r})")
+            return
         try:
-            if not chunk:
-                raise DistNetworkError("closed during the handshake")
-            magic, version, flags, token, rank = w.HELLO.unpack(bytes(buf))
-            _check_hello(bytes(buf), self._token, None)
-            if flags & w.PROBE:  # a higher rank checking that we are alive
-                sock.close()
-                return
-            if not 0 <= rank < self.rank:
-                raise DistNetworkError(f"unexpected rank {rank} connecting to rank {self.rank}")
-            sock.setblocking(True)
-            sock.settimeout(5)
-            sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
-            sock.setblocking(False)
+            done = self._hello_step(h)
         except (OSError, DistError) as e:
-            log.warning("rank %d refused a connection: %s", self.rank, e)
+            self._end_hello(fd, hello, str(e))
+            return
+        if done is None:
+            return  # more to read
+        sock = self._end_hello(fd, hello, None)
+        if not done:  # a probe: close quietly
             sock.close()
             return
+        assert h.rank is not None
         with self._mu:
-            p, _ = self._peer(rank)
+            p, _ = self._peer(h.rank)
             duplicate = p.state not in ("awaiting", "new")
         if duplicate:
-            log.warning("rank %d refused a second connection from rank %d", self.rank, rank)
+            self._refusals.warn("rank %d refused a second connection from rank %d", self.rank, h.rank)
             sock.close()
             return
         self._attach(p, sock)
+
+    def _hello_step(self, h: _Hello) -> bool | None:
+        """Act on a complete step of ``h``: True when accepted, False for a probe,
+        None when more bytes are needed; raise to refuse."""
+        if h.nonces is not None:  # the connector's proof
+            assert self._auth is not None and h.rank is not None
+            ctx = _context(self._token, h.rank, self.rank)
+            expected = auth.proof(self._auth, w.CONNECTOR_LABEL, h.nonces[1], h.nonces[0], ctx)
+            if not auth.verify(expected, bytes(h.buf)):
+                raise auth.DistAuthenticationError(
+                    f"authentication failed: rank {h.rank}'s token is not this job's"
+                )
+            return True
+        magic, version, flags, token, rank = w.HELLO.unpack_from(h.buf)
+        if magic != w.MAGIC:
+            raise DistNetworkError(f"not a distcomm peer (sent {bytes(h.buf[:8])!r})")
+        if flags & w.PROBE:  # a higher rank checking that we are alive
+            return False
+        if version not in (w.VERSION, w.AUTH_VERSION):
+            raise DistNetworkError(f"peer speaks transport v{version}, this process v{w.VERSION}")
+        if token != self._token:
+            raise DistNetworkError("peer belongs to another job or an earlier initialisation")
+        if not 0 <= rank < self.rank:
+            raise DistNetworkError(f"unexpected rank {rank} connecting to rank {self.rank}")
+        offered = version == w.AUTH_VERSION and flags & w.AUTH
+        if offered and len(h.buf) < w.HELLO.size + auth.NONCE_BYTES:
+            h.need = w.HELLO.size + auth.NONCE_BYTES  # (read it all: closing on unread bytes resets)
+            return None
+        if self._auth is None:
+            if offered:
+                _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, w.REFUSED, bytes(16), self.rank))
+                raise auth.DistAuthenticationError(
+                    f"rank {rank} authenticates but this process has no token ({auth.ENV_VAR})"
+                )
+            _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
+            h.rank = rank
+            return True
+        if not offered:
+            _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH | w.REFUSED, bytes(16), self.rank))
+            raise auth.DistAuthenticationError(
+                f"unauthenticated connection refused (rank {rank} has no token)"
+            )
+        theirs, mine = bytes(h.buf[w.HELLO.size :]), auth.nonce()
+        ctx = _context(self._token, rank, self.rank)
+        _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, self._token, self.rank)
+                  + mine + auth.proof(self._auth, w.LISTENER_LABEL, theirs, mine, ctx))
+        h.rank, h.nonces = rank, (theirs, mine)
+        h.buf, h.need = bytearray(), auth.MAC_BYTES
+        return None
 
     def _read(self, p: _Peer) -> None:
         sock = p.sock
@@ -609,6 +732,12 @@ class TcpTransport:
                     p.body_pos += n
                     if p.body_pos == len(p.body):
                         self._body_complete(p)
+                    continue
+                if p.skip:  # a payload nobody wants: read it into the staging buffer, drop it
+                    n = sock.recv_into(p.rview, min(p.skip, len(p.rbuf)))
+                    if n == 0:
+                        raise ConnectionResetError("connection closed by the peer")
+                    p.skip -= n
                     continue
                 if p.rpos and len(p.rbuf) - p.rhave < _HDR * 64:  # make room at the end
                     rest = p.rhave - p.rpos
@@ -629,10 +758,17 @@ class TcpTransport:
             except DistError as e:
                 self._lost_async(p, e)
                 return
+            except Exception as e:  # a bug or an absurd frame: lose this peer only
+                log.exception("rank %d: failed on a frame from rank %d", self.rank, p.rank)
+                self._lost_async(p, DistNetworkError(
+                    f"rank {p.rank} sent a frame this process could not handle "
+                    f"({type(e).__name__}: {e})", peer=p.rank,
+                ))
+                return
 
     def _parse(self, p: _Peer) -> None:
         buf = p.rbuf
-        while p.body is None and p.rhave - p.rpos >= _HDR:
+        while p.body is None and not p.skip and p.rhave - p.rpos >= _HDR:
             kind, group, tag, nbytes = w.HEADER.unpack_from(buf, p.rpos)
             p.rpos += _HDR
             if kind == w.DATA:
@@ -658,6 +794,7 @@ class TcpTransport:
                 self._flush(p)
             elif kind == w.BYE:
                 with self._mu:
+                    p.left = True
                     self._lost(p, DistBackendError(
                         f"rank {p.rank} destroyed its process group", peer=p.rank
                     ), quiet=True)
@@ -677,13 +814,20 @@ class TcpTransport:
         if req is not None and len(req.view) == nbytes:
             self._start_body(p, req.view, lambda _data: req.complete(), req)
             return
-        if req is not None:
+        if req is not None:  # size mismatch: the payload is dropped
             req.complete(_size_mismatch(req, nbytes))
+            self._skip(p, nbytes)
+            return
+        if nbytes > EARLY_BUDGET:  # nobody asked for it and it cannot be kept
+            self._refusals.warn(
+                "rank %d: rank %d sent an unrequested %d-byte message (group %#x, tag %#x); "
+                "discarded", self.rank, p.rank, nbytes, group, tag,
+            )
+            self._skip(p, nbytes)
+            return
         target = bytearray(nbytes)
 
         def early(data: bytearray) -> None:
-            if req is not None:
-                return  # size mismatch: the payload is dropped
             with self._mu:
                 late = self._matcher.take_for_data(p.rank, group, tag)
                 if late is None:
@@ -694,6 +838,14 @@ class TcpTransport:
                 _fill(late, data)
 
         self._start_body(p, target, early)
+
+    def _skip(self, p: _Peer, nbytes: int) -> None:
+        """Discard the next ``nbytes`` of payload: first what is staged, then from the socket."""
+        staged = min(nbytes, p.rhave - p.rpos)
+        p.rpos += staged
+        p.skip = nbytes - staged
+        if p.skip:
+            p.rpos = p.rhave = 0  # everything staged was payload
 
     def _start_body(self, p: _Peer, target, done, req: RecvRequest | None = None) -> None:
         """Receive a payload into ``target``: first what is staged, then straight from the socket.
@@ -784,7 +936,8 @@ class TcpTransport:
         host, _, port = addr.rpartition(":")
         try:
             with socket.create_connection((host, int(port)), timeout=2) as sock:
-                sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, w.PROBE, self._token, self.rank))
+                version = w.VERSION if self._auth is None else w.AUTH_VERSION
+                sock.sendall(w.HELLO.pack(w.MAGIC, version, w.PROBE, self._token, self.rank))
         except ConnectionRefusedError:
             with self._mu:
                 self._lost(p, DistBackendError(
@@ -926,14 +1079,54 @@ def _connect_retry(host: str, port: int, deadline: Deadline, rank: int) -> socke
             delay = min(delay * 2, 0.5)
 
 
-def _check_hello(data: bytes, token: bytes, rank: int | None) -> None:
-    magic, version, _, their_token, their_rank = w.HELLO.unpack(data)
+def _check_hello(data: bytes, token: bytes, rank: int, authenticating: bool) -> None:
+    """Check the listener's answer to our HELLO (connector side)."""
+    magic, version, flags, their_token, their_rank = w.HELLO.unpack(data)
     if magic != w.MAGIC:
         raise DistNetworkError(f"not a distcomm peer (sent {data[:8]!r})")
-    if version != w.VERSION:
-        raise DistNetworkError(f"peer speaks transport v{version}, this process v{w.VERSION}")
+    if flags & w.REFUSED:
+        if authenticating:
+            raise auth.DistAuthenticationError(
+                f"rank {rank} has no authentication token but this process has one "
+                f"({auth.ENV_VAR} or auth_token): give every rank the same token", peer=rank,
+            )
+        raise auth.DistAuthenticationError(
+            f"rank {rank} requires authentication: set {auth.ENV_VAR} (or auth_token=) to the "
+            "job's token on every rank", peer=rank,
+        )
+    expected = w.AUTH_VERSION if authenticating else w.VERSION
+    if version != expected:
+        raise DistNetworkError(f"peer speaks transport v{version}, this process v{expected}")
     if their_token != token:
         raise DistNetworkError("peer belongs to another job or an earlier initialisation")
-    if rank is not None and their_rank != rank:
+    if their_rank != rank:
         raise DistNetworkError(f"expected rank {rank}, the peer says it is rank {their_rank}")
 
+
+def _context(token: bytes, connector: int, listener: int) -> bytes:
+    """What a handshake proof is bound to: the job token and both ranks."""
+    return token + connector.to_bytes(4, "big") + listener.to_bytes(4, "big")
+
+
+def _send_now(sock: socket.socket, data: bytes) -> None:
+    """Send a short handshake message on a non-blocking socket, or fail."""
+    if sock.send(data) != len(data):
+        raise DistNetworkError("the peer does not read its handshake")
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a peer that left"
+
+
+def _job_auth(store: Store, explicit: str | bytes | None) -> bytes | None:
+    """The token connections authenticate with: explicit, else the ambient one, else the store's."""
+    token = auth.resolve_token(explicit)
+    if token is None and explicit is None:
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        token = getattr(store, "_auth", None)
+    return token

@@ -2,12 +2,29 @@
 
 Handshake (the connecting process speaks first, the other answers in kind)::
 
-    b"DCTP"  u16 version  u16 reserved  16-byte job token  u32 process rank   (28 bytes)
+    b"DCTP"  u16 version  u16 flags  16-byte job token  u32 process rank   (28 bytes)
 
-The reserved field carries flags: PROBE (1) means "only checking that you are
-alive" (the listener closes it at once).  The job token is fresh for every
-``init_process_group``; a connection from
-another job, or from before a re-initialisation, is refused.  Frames::
+Flags: PROBE (1) means "only checking that you are alive" (the listener
+closes it at once); AUTH (2) means the sender authenticates.  The job token
+is fresh for every ``init_process_group``; a connection from another job,
+or from before a re-initialisation, is refused.
+
+Version 1 is that exchange alone, and is what processes without an
+authentication token speak (unchanged).  Version 2 (flag AUTH, when the job
+has a token, see :mod:`distcomm.store.auth`) appends challenges and proofs::
+
+    connector -> listener   HELLO(v2, AUTH)  nonce c (32)
+    listener -> connector   HELLO(v2, AUTH)  nonce l (32)  HMAC(token, LISTENER_LABEL, c, l, ctx) (32)
+    connector -> listener   HMAC(token, CONNECTOR_LABEL, l, c, ctx) (32)
+
+where ``ctx`` is the job token and both ranks, so a proof is good for that
+one connection only.  The connector checks the listener's proof before
+sending its own (mutual authentication); the token never crosses the wire.
+A listener with a token refuses (and logs, logger ``distcomm.transport``,
+warning) a version-1 HELLO, answering a HELLO with flag REFUSED (4) so the
+connector can say why; one without a token answers a version-2 HELLO with
+a version-1 HELLO and closes.  A connection that has not finished its
+handshake within :data:`HELLO_TIMEOUT` seconds is closed.  Frames::
 
     u8 kind  u64 group  u64 tag  u64 nbytes   (25 bytes)   [+ nbytes of payload for DATA]
 
@@ -16,7 +33,9 @@ tells the peer that ``group`` failed on the sender; its payload is the
 reason (UTF-8), and ``tag`` carries the process rank that was lost, or
 ``2**64-1``.  BYE says the sender is closing on purpose: the end of the
 connection that follows is not a failure (unless something still waited on
-that peer).
+that peer).  A frame of an unknown kind, or an oversized ABORT, ends the
+connection to that peer only; a DATA frame nobody asked for that is larger
+than the early-message budget is read and discarded, never allocated.
 """
 
 from __future__ import annotations
@@ -29,12 +48,25 @@ import struct
 from ..errors import DistInputError
 
 MAGIC = b"DCTP"
+#: Version 1: no authentication; version 2: challenge-response (flag AUTH).
 VERSION = 1
+AUTH_VERSION = 2
 HELLO = struct.Struct(">4sHH16sI")
 HEADER = struct.Struct(">BQQQ")
 DATA, RTS, RTR, ABORT, BYE = 1, 2, 3, 4, 5
 #: Handshake flag: only checking that the listener is alive; close at once.
 PROBE = 1
+#: Handshake flag: the sender authenticates (version 2).
+AUTH = 2
+#: Handshake flag of a listener's answer: the connection is refused (it needs authentication).
+REFUSED = 4
+#: Labels binding each proof to its role.
+LISTENER_LABEL = b"distcomm-transport-v2 listener"
+CONNECTOR_LABEL = b"distcomm-transport-v2 connector"
+#: Seconds an accepted connection gets to complete its handshake.
+HELLO_TIMEOUT = 10.0
+#: Most connections that may sit in the handshake at once (the oldest is closed beyond).
+MAX_PENDING_HELLOS = 1024
 NO_RANK = 2**64 - 1
 
 #: Environment variables naming the interface to publish (first one set wins).

@@ -1,0 +1,470 @@
+"""Backend ``mpi``: every collective and point-to-point operation through MPI (mpi4py).
+
+Run the job under an MPI launcher (``mpirun -n 4 python train.py``, ``mpiexec``,
+``srun``) and call ``init_process_group("mpi")``: rank and world size come
+from MPI, no ``MASTER_ADDR`` is needed.  Rank 0 still serves a small
+:class:`~distcomm.store.TCPStore` whose address MPI broadcasts, so code that
+uses the job's store keeps working.  An ``init_method`` or ``store`` may be
+given instead; the ranks it assigns then renumber MPI's (``MPI_Comm_split``).
+
+Each group owns a communicator: the world group a split of a private
+duplicate of ``MPI_COMM_WORLD`` (so the application's own MPI traffic never
+mixes with distcomm's), subgroups ``MPI_Comm_create_group`` of it (only the
+members take part, as ``new_group`` needs).  The argument checks, staging
+buffers and ``Work`` handling are :class:`ChannelProcessGroup`'s; the
+collectives are MPI's non-blocking ones on the caller's memory (no copies):
+
+============================  ==================================================
+distcomm                      MPI
+============================  ==================================================
+all_reduce                    ``MPI_Iallreduce`` with ``MPI_IN_PLACE``
+broadcast                     ``MPI_Ibcast``
+reduce                        ``MPI_Ireduce`` (``MPI_IN_PLACE`` on the root)
+all_gather(_into_tensor)      ``MPI_Iallgather`` with ``MPI_IN_PLACE``
+gather / scatter              ``MPI_Igather`` / ``MPI_Iscatter``
+reduce_scatter(_tensor)       ``MPI_Ireduce_scatter_block``
+all_to_all(_single)           ``MPI_Ialltoallv``
+barrier                       ``MPI_Ibarrier``
+send / recv                   ``MPI_Isend`` / ``MPI_Improbe`` + ``MPI_Imrecv``
+============================  ==================================================
+
+Reductions use MPI's predefined operations where they mean what torch means:
+``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ``BAND``, ``BOR``, ``BXOR`` on
+integers, ``float32``/``float64``/complex sums and products, logical
+or/and/xor on bool.  ``AVG`` and ``PREMUL_SUM`` are a sum finished locally.
+What MPI has no faithful operation for runs distcomm's own NumPy kernel as a
+user-defined ``MPI_Op``: ``float16`` and ``bfloat16`` (MPI has no such
+types), floating-point ``MIN``/``MAX`` (MPI's comparison drops a NaN or
+keeps it depending on the order), and sums of 8- and 16-bit integers (Open
+MPI's vectorised kernels saturate where torch wraps around).
+
+A wait tests its request in a loop (see :mod:`distcomm.transport.mpi_channel`),
+so the group timeout, ``Work.wait(timeout)``, abort and
+``destroy_process_group()`` work as with the other backends.  MPI errors
+become :class:`~distcomm.errors.DistBackendError` with MPI's message.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..backend_registry import Backend, BackendFactory
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistInputError
+from ..reduce_op import _NAMES, _combiner
+from ..store import Store
+from ..transport.mpi_channel import (
+    MpiChannel,
+    MpiRuntime,
+    mpi_calls,
+    mpi_error,
+    runtime,
+    wait_request,
+)
+from .channel_group import ChannelProcessGroup
+
+__all__ = ["MpiBackend", "MpiCollectives", "MpiProcessGroup"]
+
+
+# -- dtypes and reduce ops ----------------------------------------------------------------
+
+#: Logical dtype -> MPI's predefined datatype for reductions MPI computes itself.
+_NATIVE_TYPES = {
+    "bool": "C_BOOL",
+    "int8": "INT8_T", "int16": "INT16_T", "int32": "INT32_T", "int64": "INT64_T",
+    "uint8": "UINT8_T", "uint16": "UINT16_T", "uint32": "UINT32_T", "uint64": "UINT64_T",
+    "float32": "FLOAT", "float64": "DOUBLE",
+    "complex64": "C_FLOAT_COMPLEX", "complex128": "C_DOUBLE_COMPLEX",
+}  # fmt: skip
+_NUMBER_OPS = {"SUM": "SUM", "AVG": "SUM", "PREMUL_SUM": "SUM", "PRODUCT": "PROD",
+               "MIN": "MIN", "MAX": "MAX", "BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
+_BOOL_OPS = {"SUM": "LOR", "MAX": "LOR", "BOR": "LOR", "PRODUCT": "LAND", "MIN": "LAND",
+             "BAND": "LAND", "BXOR": "LXOR"}
+#: Open MPI 5's vectorised operations (component op/avx) saturate instead of wrapping when they
+#: sum long vectors of these; torch (and NumPy) wrap around, so distcomm sums them itself.
+_NARROW_INTS = ("int8", "uint8", "int16", "uint16")
+#: Unsigned NumPy type and MPI type moving elements of a given width (bytes) untouched.
+_WORDS = {8: (np.uint64, "UINT64_T"), 4: (np.uint32, "UINT32_T"), 2: (np.uint16, "UINT16_T"),
+          1: (np.uint8, "UINT8_T")}
+
+
+@functools.cache
+def _op_names(dtype_name: str) -> dict[Any, str]:
+    """distcomm's combiner functions for ``dtype_name`` -> reduce op name."""
+    names: dict[Any, str] = {}
+    for name in _NAMES:
+        try:
+            names.setdefault(_combiner(name, dtype_name), name)
+        except KeyError:  # e.g. AVG on bool: refused before it gets here
+            pass
+    return names
+
+
+class _Ops:
+    """MPI datatypes and operations for one runtime, looked up once per (combiner, dtype)."""
+
+    def __init__(self, rt: MpiRuntime) -> None:
+        self.rt = rt
+        self.MPI = rt.MPI
+        self._words: dict[np.dtype, tuple[np.dtype, Any]] = {}
+        self._reductions: dict[tuple[Any, np.dtype], tuple[np.dtype, Any, Any]] = {}
+        self._wide: Any = None
+
+    def words(self, arr: np.ndarray) -> tuple[np.ndarray, Any]:
+        """``arr`` as untyped words (the widest that divide its item size) and their MPI type."""
+        found = self._words.get(arr.dtype)
+        if found is None:
+            width = next(w for w in (8, 4, 2, 1) if arr.dtype.itemsize % w == 0)
+            np_type, mpi_name = _WORDS[width]
+            found = self._words[arr.dtype] = (np.dtype(np_type), getattr(self.MPI, mpi_name))
+        return arr.view(found[0]), found[1]
+
+    def reduction(self, arr: np.ndarray, combine: Any) -> tuple[np.ndarray, Any, Any]:
+        """(buffer view, MPI datatype, MPI op) that make MPI compute ``combine`` on ``arr``'s elements."""
+        key = (combine, arr.dtype)
+        found = self._reductions.get(key)
+        if found is None:
+            found = self._reductions[key] = self._choose(arr.dtype, combine)
+        return arr.view(found[0]), found[1], found[2]
+
+    def _choose(self, dtype: np.dtype, combine: Any) -> tuple[np.dtype, Any, Any]:
+        MPI = self.MPI
+        dtype_name = "bfloat16" if dtype.name == "bfloat16" else dtype.name
+        name = _op_names(dtype_name).get(combine) if dtype_name in _NATIVE_TYPES else None
+        if name is not None:
+            op_name = (_BOOL_OPS if dtype_name == "bool" else _NUMBER_OPS).get(name)
+            nan_aware = name in ("MIN", "MAX") and dtype.kind == "f"
+            saturating = op_name == "SUM" and dtype_name in _NARROW_INTS
+            mpi_type = getattr(MPI, _NATIVE_TYPES[dtype_name], MPI.DATATYPE_NULL)
+            if op_name is not None and not (nan_aware or saturating) and mpi_type != MPI.DATATYPE_NULL:
+                return dtype, mpi_type, getattr(MPI, op_name)
+        if dtype.itemsize <= 8:
+            width_type, mpi_type = self.words(np.empty(0, dtype))
+            view_dtype = width_type.dtype
+        else:  # 16-byte elements (complex128) as one MPI type
+            if self._wide is None:
+                with self.rt.lock:
+                    self._wide = MPI.UINT64_T.Create_contiguous(2).Commit()
+            view_dtype, mpi_type = np.dtype(np.uint64), self._wide
+        return view_dtype, mpi_type, self._user_op(combine, dtype)
+
+    def _user_op(self, combine: Callable[[np.ndarray, np.ndarray], None], dtype: np.dtype) -> Any:
+        """A commutative user-defined MPI_Op applying ``combine(inout, in)`` to ``dtype`` elements."""
+
+        def apply(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            src = np.frombuffer(inbuf, dtype=dtype)
+            dst = np.frombuffer(inoutbuf, dtype=dtype)
+            combine(dst, src)
+
+        with self.rt.lock:
+            return self.MPI.Op.Create(apply, commute=True)
+
+
+_ops: _Ops | None = None
+
+
+def _ops_for(rt: MpiRuntime) -> _Ops:
+    global _ops
+    if _ops is None or _ops.rt is not rt:
+        _ops = _Ops(rt)
+    return _ops
+
+
+# -- collectives --------------------------------------------------------------------------
+
+
+def collectives_mode() -> str:
+    """``DISTCOMM_MPI_COLLECTIVES``: ``nonblocking`` (the default) or ``blocking``."""
+    mode = os.environ.get("DISTCOMM_MPI_COLLECTIVES", "nonblocking").strip().lower() or "nonblocking"
+    if mode not in ("nonblocking", "blocking"):
+        raise DistInputError(
+            f"DISTCOMM_MPI_COLLECTIVES={mode!r}: expected 'nonblocking' or 'blocking' "
+            f"(the same on every rank)"
+        )
+    return mode
+
+
+class MpiCollectives:
+    """:class:`~.channel_group.ChannelAlgorithms`' methods as MPI collectives.
+
+    By default each is MPI's non-blocking collective, tested until done, so
+    it can be timed out, aborted and destroyed under like any distcomm
+    collective.  With ``DISTCOMM_MPI_COLLECTIVES=blocking`` (set on every
+    rank: MPI never matches a blocking collective with a non-blocking one)
+    they are MPI's blocking collectives, which some MPI libraries run with
+    less latency for small messages; a collective then waits inside MPI,
+    past the group timeout and through ``destroy_process_group()``.
+    """
+
+    #: ``MPI_Reduce`` reads non-root inputs without writing them.
+    reduce_keeps_input = True
+
+    def __init__(self, rt: MpiRuntime, comm: Any, group: str) -> None:
+        self.rt = rt
+        self.MPI = rt.MPI
+        self.comm = comm
+        self.group = group
+        self.ops = _ops_for(rt)
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.blocking = collectives_mode() == "blocking"
+        self._failed: BaseException | None = None
+
+    def fail(self, cause: BaseException) -> None:
+        """Make waits in progress (and later calls) give up with ``cause``."""
+        if self._failed is None:
+            self._failed = cause
+
+    def _go(self, what: str, block: Callable[..., Any], start: Callable[..., Any], deadline: Deadline,
+            *args: Any) -> None:
+        if self._failed is not None:
+            raise self._failed
+        if self.blocking and self.rt.multiple:
+            try:
+                block(*args)
+            except self.MPI.Exception as e:
+                raise mpi_error(what, e) from None
+            return
+        what = f"MPI_I{what[4:].lower()}"
+        req = self.rt.call(what, start, *args)
+        try:
+            wait_request(self.rt, req, deadline, self._get_failed, lambda: what)
+        except BaseException:
+            self.rt.orphan(req)  # MPI may still complete it: keep it and its buffers alive
+            raise
+
+    def _get_failed(self) -> BaseException | None:
+        return self._failed
+
+    def barrier(self, seq: int, deadline: Deadline) -> None:
+        c = self.comm
+        self._go("MPI_Barrier", c.Barrier, c.Ibarrier, deadline)
+
+    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
+        c = self.comm
+        view, dt = self.ops.words(arr)
+        self._go("MPI_Bcast", c.Bcast, c.Ibcast, deadline, [view, dt], root)
+
+    def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
+        c = self.comm
+        view, dt, op = self.ops.reduction(arr, combine)
+        self._go("MPI_Allreduce", c.Allreduce, c.Iallreduce, deadline, self.MPI.IN_PLACE, [view, dt], op)
+
+    def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
+        c = self.comm
+        view, dt, op = self.ops.reduction(arr, combine)
+        if self.rank == root:
+            self._go("MPI_Reduce", c.Reduce, c.Ireduce, deadline, self.MPI.IN_PLACE, [view, dt], op, root)
+        else:
+            self._go("MPI_Reduce", c.Reduce, c.Ireduce, deadline, [view, dt], None, op, root)
+
+    def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
+        c = self.comm
+        view, dt = self.ops.words(out)
+        self._go("MPI_Allgather", c.Allgather, c.Iallgather, deadline, self.MPI.IN_PLACE, [view, dt])
+
+    def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
+               deadline: Deadline) -> None:
+        c = self.comm
+        view, dt = self.ops.words(send)
+        recv = None
+        if self.rank == root:
+            assert out is not None
+            recv = [out.view(view.dtype), dt]
+        self._go("MPI_Gather", c.Gather, c.Igather, deadline, [view, dt], recv, root)
+
+    def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
+                deadline: Deadline) -> None:
+        c = self.comm
+        view, dt = self.ops.words(out)
+        send = None
+        if self.rank == root:
+            assert buf is not None
+            send = [buf.view(view.dtype), dt]
+        self._go("MPI_Scatter", c.Scatter, c.Iscatter, deadline, send, [view, dt], root)
+
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Any, seq: int,
+                       deadline: Deadline) -> None:
+        c = self.comm
+        view, dt, op = self.ops.reduction(out, combine)
+        self._go("MPI_Reduce_scatter_block", c.Reduce_scatter_block, c.Ireduce_scatter_block, deadline,
+                 [inp.view(view.dtype), dt], [view, dt], op)
+
+    def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
+                 send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
+        c = self.comm
+        sview, dt = self.ops.words(send)
+        rview = recv.view(sview.dtype)
+        per = send.dtype.itemsize // sview.dtype.itemsize  # words per element
+        scounts = [n * per for n in send_counts]
+        rcounts = [n * per for n in recv_counts]
+        self._go("MPI_Alltoallv", c.Alltoallv, c.Ialltoallv, deadline,
+                 [sview, (scounts, _displs(scounts)), dt], [rview, (rcounts, _displs(rcounts)), dt])
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    out, pos = [], 0
+    for c in counts:
+        out.append(pos)
+        pos += c
+    return out
+
+
+# -- groups and the backend --------------------------------------------------------------
+
+
+class MpiProcessGroup(ChannelProcessGroup):
+    """A group backed by one MPI communicator (see the module docstring)."""
+
+    backend_name = "mpi"
+
+    def __init__(self, rt: MpiRuntime, comm: Any, ranks: list[int], group_name: str, timeout: float) -> None:
+        self.rt = rt
+        self.comm = comm
+
+        def describe(r: int) -> str:
+            return f"rank {ranks[r]}" if ranks[r] == r else f"rank {ranks[r]} (group rank {r})"
+
+        channel = MpiChannel(rt, comm, describe)
+        self.collectives = MpiCollectives(rt, comm, group_name)
+        super().__init__(channel, group_name, timeout, ranks, algorithms=self.collectives)
+
+    def _cancel_pending(self, cause: BaseException) -> None:
+        self.collectives.fail(cause)
+        super()._cancel_pending(cause)
+
+    def _abort_transport(self, cause: BaseException) -> None:
+        self.collectives.fail(cause)
+        super()._abort_transport(cause)
+
+    def _release(self) -> None:
+        super()._release()
+        comm, self.comm = self.comm, None
+        MPI = self.rt.MPI
+        if comm is not None and not MPI.Is_finalized():
+            try:
+                self.rt.call("MPI_Comm_free", comm.Free)
+            except DistBackendError:
+                pass
+
+
+def _check_job(rank: int, world_size: int, mpi_rank: int, mpi_size: int) -> None:
+    if world_size not in (-1, None) and world_size != mpi_size:
+        raise DistInputError(
+            f"world_size={world_size} but the MPI job has {mpi_size} processes; with backend 'mpi' "
+            f"leave world_size unset (MPI knows it) or launch with mpirun -n {world_size}"
+        )
+    if rank not in (-1, None) and rank != mpi_rank:
+        raise DistInputError(
+            f"rank={rank} but MPI says this process is rank {mpi_rank}; with backend 'mpi' leave "
+            f"rank unset (MPI knows it)"
+        )
+
+
+def _one_host(rt: MpiRuntime, comm: Any) -> bool:
+    MPI = rt.MPI
+    node = rt.call("MPI_Comm_split_type", comm.Split_type, MPI.COMM_TYPE_SHARED)
+    try:
+        return bool(node.Get_size() == comm.Get_size())
+    finally:
+        rt.call("MPI_Comm_free", node.Free)
+
+
+def _job_store(rt: MpiRuntime, comm: Any, timeout: float) -> Store:
+    """A TCPStore served by MPI rank 0, its address broadcast over MPI."""
+    from ..store.tcp_client import TCPStore
+
+    one_host = _one_host(rt, comm)
+    store: Store | None = None
+    msg = np.zeros(512, np.uint8)
+    if comm.Get_rank() == 0:
+        host = os.environ.get("DISTCOMM_HOSTNAME") or os.environ.get("MASTER_ADDR")
+        if not host:
+            host = "127.0.0.1" if one_host else socket.gethostname()
+        try:
+            store = TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+            text = f"ok {host} {store.port}"  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - every rank must hear about it
+            text = f"error {type(e).__name__}: {e}"
+        data = text.encode()[: msg.size]
+        msg[: len(data)] = np.frombuffer(data, np.uint8)
+    req = rt.call("MPI_Ibcast", comm.Ibcast, [msg, rt.MPI.BYTE], 0)
+    wait_request(rt, req, Deadline(timeout), lambda: None, lambda: "MPI_Ibcast of the store address")
+    text = bytes(msg).rstrip(b"\0").decode(errors="replace")
+    kind, _, rest = text.partition(" ")
+    if kind != "ok":
+        raise DistBackendError(f"backend 'mpi': rank 0 could not start the job's store: {rest}")
+    if store is None:
+        host, port = rest.rsplit(" ", 1)
+        store = TCPStore(host, int(port), None, False, timeout)
+    return store
+
+
+def _tag_of(name: str) -> int:
+    """A tag for MPI_Comm_create_group that the members of group ``name`` agree on."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big") % 32768
+
+
+class MpiBackend(BackendFactory):
+    """Factory of backend ``mpi``; :meth:`bootstrap` lets ``init_process_group("mpi")`` run
+    without ``MASTER_ADDR`` & co."""
+
+    def __init__(self) -> None:
+        super().__init__("mpi", None)  # type: ignore[arg-type]
+
+    def bootstrap(self, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
+        rt = runtime()
+        comm = rt.world()
+        mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
+        _check_job(rank, world_size, mpi_rank, mpi_size)
+        return _job_store(rt, comm, timeout), mpi_rank, mpi_size
+
+    def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None,
+              **_: Any) -> MpiProcessGroup:
+        rt = runtime()
+        parent = rt.world()
+        if size != parent.Get_size():
+            raise DistInputError(
+                f"world_size={size} but the MPI job has {parent.Get_size()} processes; "
+                f"launch with mpirun -n {size}"
+            )
+        comm = rt.call("MPI_Comm_split", parent.Split, 0, rank)  # renumbered as distcomm's ranks
+        try:
+            return MpiProcessGroup(rt, comm, list(range(size)), "default", timeout)
+        except BaseException:
+            rt.call("MPI_Comm_free", comm.Free)
+            raise
+
+    def subgroup(self, world_pg: Any, store: Store, ranks: list[int], group_rank: int, name: str,
+                 timeout: float) -> MpiProcessGroup:
+        if not isinstance(world_pg, MpiProcessGroup) or world_pg.comm is None:
+            raise DistInputError(
+                "backend 'mpi' groups need the default group on backend 'mpi' "
+                "(init_process_group('mpi'))"
+            )
+        rt = world_pg.rt
+        parent = world_pg.comm
+        with mpi_calls(rt, f"creating MPI group {name!r}"):
+            with rt.lock:
+                world_group = parent.Get_group()
+                members = world_group.Incl(list(ranks))
+                world_group.Free()
+        try:
+            comm = rt.call("MPI_Comm_create_group", parent.Create_group, members, _tag_of(name))
+        finally:
+            rt.call("MPI_Group_free", members.Free)
+        try:
+            return MpiProcessGroup(rt, comm, list(ranks), name, timeout)
+        except BaseException:
+            rt.call("MPI_Comm_free", comm.Free)
+            raise
+
+
+Backend.register_backend("mpi", MpiBackend())

@@ -1,0 +1,233 @@
+"""Flight recorder dumps: each rank writes its last operations as JSON.
+
+The ring itself lives in :mod:`.recorder`.  A rank writes
+``<dir>/rank<R>.json`` (R its global rank) when one of its groups breaks (a
+timeout, a peer lost), when it receives SIGUSR1, or when the program calls
+:func:`dump_flight_recorder`.  ``<dir>`` is ``DISTCOMM_FLIGHT_RECORDER_DIR``,
+else ``/tmp/distcomm-flight-<run id>``, the run id being ``DISTCOMM_RUN_ID``
+or ``TORCHELASTIC_RUN_ID`` (set by launchers) or one the ranks agree on
+through the store at initialisation.  ``DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE=0``
+keeps failures from writing dumps.  ``distcomm trace analyze <dir>`` reads them.
+
+SIGUSR1: ``init_process_group`` installs a handler only if the signal has
+its default disposition (the program's own handler is left alone), and
+``destroy_process_group`` puts the default back.  ``kill -USR1 <pid>`` on a
+stuck rank writes its dump (with every thread's Python stack) and the rank
+goes on waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+from . import recorder as rec
+from .log import get_logger
+
+__all__ = ["dump_flight_recorder", "dump_dir"]
+
+ENV_DIR = "DISTCOMM_FLIGHT_RECORDER_DIR"
+ENV_ON_FAILURE = "DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE"
+FORMAT_VERSION = 1
+
+log = get_logger("distcomm.debug")
+
+_state: dict[str, Any] = {"rank": None, "world_size": None, "run_id": None}
+_groups: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.Lock()
+_handler_installed = False
+
+
+def dump_dir() -> str:
+    """Where this rank's dump goes."""
+    path = os.environ.get(ENV_DIR, "").strip()
+    if path:
+        return path
+    run = (os.environ.get("DISTCOMM_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+           or _state["run_id"] or f"pid{os.getpid()}")
+    return os.path.join("/tmp", f"distcomm-flight-{run}")
+
+
+def run_id_from_env() -> str | None:
+    return os.environ.get("DISTCOMM_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+def set_world(rank: int | None, world_size: int | None, run_id: str | None) -> None:
+    """This process's place in the job (set at initialisation, cleared at destroy)."""
+    _state.update(rank=rank, world_size=world_size, run_id=run_id)
+
+
+def track(pg: Any) -> None:
+    """List ``pg`` in dumps."""
+    _groups.add(pg)
+
+
+def _wall(t: float | None, offset: float) -> float | None:
+    return None if t is None else round(t + offset, 6)
+
+
+def _entry_json(e: list[Any], offset: float) -> dict[str, Any]:
+    info = e[rec.F_INFO] or (None, None, None, None, None)
+    shape, dtype, root, redop, extra = info
+    d: dict[str, Any] = {
+        "group": e[rec.F_GROUP], "seq": e[rec.F_SEQ], "op": e[rec.F_OP], "state": e[rec.F_STATE],
+        "scheduled": _wall(e[rec.F_SCHEDULED], offset), "started": _wall(e[rec.F_STARTED], offset),
+        "finished": _wall(e[rec.F_FINISHED], offset),
+    }
+    if shape is not None:
+        d["shape"] = list(shape)
+    if dtype is not None:
+        d["dtype"] = str(dtype)
+    if root is not None:
+        d["root"] = root
+    if redop is not None:
+        d["reduce_op"] = getattr(redop, "name", str(redop))
+    if e[rec.F_SEQ] is None:  # point to point: peer (group rank, None for any) and tag
+        d["peer"] = e[rec.F_PEER]
+        d["tag"] = extra
+        if d["state"] == rec.STARTED and len(e) > rec.F_WORK:
+            d["state"] = _p2p_state(e[rec.F_WORK]())
+    elif extra is not None:
+        d["send_counts"], d["recv_counts"] = list(extra[0]), list(extra[1])
+    if e[rec.F_ERROR] is not None:
+        d["error"] = e[rec.F_ERROR]
+    return d
+
+
+def _p2p_state(work: Any) -> str:
+    """A started send/recv the program never waited for: finished, dropped, or still pending."""
+    if work is None:
+        return "dropped without wait"
+    req = getattr(work, "_req", None)
+    if req is not None and req.done():
+        return "done, not waited"
+    return rec.STARTED
+
+
+def _group_json(pg: Any) -> dict[str, Any]:
+    try:
+        broken = pg.errored()
+    except Exception:  # noqa: BLE001 - a foreign group: describe what can be read
+        broken = None
+    return {
+        "name": pg.group_name, "backend": str(pg.backend_name), "ranks": list(pg.ranks),
+        "rank": pg.rank(), "size": pg.size(), "timeout": pg.timeout,
+        "broken": None if broken is None else f"{type(broken).__name__}: {broken}"[:500],
+        "destroyed": bool(getattr(pg, "_closed", False)),
+    }
+
+
+def _safe_group_json(pg: Any) -> dict[str, Any] | None:
+    try:
+        return _group_json(pg)
+    except Exception:  # noqa: BLE001 - never fail a dump over one group
+        return None
+
+
+def _stacks() -> dict[str, str]:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {
+        f"{names.get(ident, 'thread')} ({ident})": "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    }
+
+
+def snapshot(reason: str) -> dict[str, Any]:
+    """This rank's record as a JSON-ready dict."""
+    offset = time.time() - time.monotonic()
+    ring = rec.ring
+    entries = ring.copy() if ring is not None else []
+    return {
+        "version": FORMAT_VERSION,
+        "rank": _state["rank"],
+        "world_size": _state["world_size"],
+        "run_id": _state["run_id"],
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "time": round(time.time(), 6),
+        "reason": reason,
+        "recorder_size": ring.maxlen if ring is not None else 0,
+        "groups": [g for g in map(_safe_group_json, list(_groups)) if g is not None],
+        "entries": [_entry_json(e, offset) for e in entries],
+        "stacks": _stacks(),
+    }
+
+
+def dump_flight_recorder(path: str | None = None, reason: str = "dump_flight_recorder() called") -> str:
+    """Write this rank's flight record; return the file's path.
+
+    ``path`` is a directory (the file is ``rank<R>.json`` in it) or a file
+    name ending in ``.json``; None: :func:`dump_dir`.
+    """
+    target = path or dump_dir()
+    if not target.endswith(".json"):
+        rank = _state["rank"]
+        target = os.path.join(target, f"rank{rank if rank is not None else 'unknown-' + str(os.getpid())}.json")
+    data = snapshot(reason)
+    with _lock:
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        tmp = f"{target}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, target)
+    return target
+
+
+def _on_failure(pg: Any, error: BaseException) -> None:
+    if os.environ.get(ENV_ON_FAILURE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    try:
+        path = dump_flight_recorder(reason=f"group {pg.group_name!r} failed: {error}"[:1000])
+    except Exception as e:  # noqa: BLE001 - a dump must never hide the real error
+        log.warning("could not write the flight recorder: %s", e)
+        return
+    log.warning("flight recorder written to %s; run `distcomm trace analyze %s` once every rank "
+                "wrote its dump", path, os.path.dirname(path), extra={"group": pg.group_name})
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    try:
+        path = dump_flight_recorder(reason="SIGUSR1")
+        log.warning("SIGUSR1: flight recorder written to %s", path)
+    except Exception as e:  # noqa: BLE001 - never kill the process from a handler
+        log.warning("SIGUSR1: could not write the flight recorder: %s", e)
+
+
+def install_signal_handler() -> bool:
+    """Dump on SIGUSR1 if the signal has no handler of the program's (main thread only)."""
+    global _handler_installed
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None, _on_signal):
+            return False
+        signal.signal(signal.SIGUSR1, _on_signal)
+    except (ValueError, OSError, AttributeError):
+        return False
+    _handler_installed = True
+    return True
+
+
+def remove_signal_handler() -> None:
+    """Put SIGUSR1's default back if our handler is still the one installed."""
+    global _handler_installed
+    if not _handler_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGUSR1) is _on_signal:
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    except (ValueError, OSError):
+        pass
+    _handler_installed = False
+
+
+rec.on_failure = _on_failure

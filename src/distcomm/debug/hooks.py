@@ -1,0 +1,73 @@
+"""What :mod:`distcomm.api` tells the debug tools: a world starts or ends, a group is made.
+
+INFO logs each group's creation (backend and how it was chosen, members,
+timeout, time taken) and destruction.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from . import flight_recorder, levels, log
+
+__all__ = ["before_init", "world_started", "group_created", "group_destroyed", "world_ended"]
+
+_log = log.get_logger("distcomm.group")
+_RUN_ID_KEY = "debug/run_id"
+
+
+def before_init() -> None:
+    """Read DISTCOMM_DEBUG (and the log level) again: the environment may have changed."""
+    levels.refresh_from_env()
+
+
+def world_started(store: Any, pg: Any, rank: int, size: int, timeout: float, seconds: float) -> None:
+    """The default group exists: agree on a run id, install SIGUSR1, follow the group."""
+    log.set_rank(rank)
+    run_id = flight_recorder.run_id_from_env()
+    if run_id is None:
+        try:
+            if rank == 0:
+                store.set(_RUN_ID_KEY, f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
+            store.wait([_RUN_ID_KEY], min(timeout, 60.0))
+            run_id = store.get(_RUN_ID_KEY).decode()
+        except Exception as e:  # noqa: BLE001 - debugging aids never stop a job
+            _log.warning("no shared run id for flight recorder dumps (%s); using this pid", e)
+            run_id = None
+    flight_recorder.set_world(rank, size, run_id)
+    flight_recorder.install_signal_handler()
+    group_created(pg, seconds)
+
+
+def group_created(pg: Any, seconds: float) -> None:
+    levels.track(pg)
+    flight_recorder.track(pg)
+    if _log.isEnabledFor(20):
+        kind = type(pg).__name__
+        machines = getattr(pg, "machines", None)
+        how = f" over {machines} machines" if machines else ""
+        _log.info(
+            "created group %r: backend %s (%s%s), rank %d of %d, members %s, timeout %g s, "
+            "debug level %s, in %.3f s",
+            pg.group_name, pg.backend_name, kind, how, pg.rank(), pg.size(), _ranks_text(pg.ranks),
+            pg.timeout, levels.get_debug_level().name, seconds, extra={"group": pg.group_name},
+        )
+
+
+def group_destroyed(pg: Any) -> None:
+    _log.info("destroyed group %r", pg.group_name, extra={"group": pg.group_name})
+
+
+def world_ended() -> None:
+    flight_recorder.remove_signal_handler()
+    flight_recorder.set_world(None, None, None)
+    log.set_rank(None)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return str(ranks)

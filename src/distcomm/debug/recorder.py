@@ -1,0 +1,78 @@
+"""The flight recorder's ring: the last operations of this process, kept cheaply.
+
+Plain data and the standard library only, so :mod:`distcomm.group` can import
+it.  Each operation is one list (fields at the ``F_*`` indices) appended to
+:data:`ring` when it is issued and updated in place as it starts and ends; the
+ring drops the oldest past ``DISTCOMM_FLIGHT_RECORDER_SIZE`` entries (default
+:data:`DEFAULT_SIZE`; ``0`` turns the recorder off).  Times are
+``time.monotonic()``; :mod:`.flight_recorder` turns them into wall-clock
+times when it writes a dump.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ring", "configure", "now", "on_failure"]
+
+DEFAULT_SIZE = 2000
+ENV_SIZE = "DISTCOMM_FLIGHT_RECORDER_SIZE"
+
+# Fields of an entry (point-to-point entries add F_WORK, a weak reference to their Work).
+F_SCHEDULED, F_STARTED, F_FINISHED, F_STATE, F_GROUP, F_SEQ, F_OP, F_INFO, F_PEER, F_ERROR, F_WORK = range(11)
+
+SCHEDULED = "scheduled"
+STARTED = "started"
+COMPLETED = "completed"
+FAILED = "failed"
+
+#: The entries, oldest first; None when the recorder is off.
+ring: deque[list[Any]] | None = None
+#: Called as ``on_failure(group, error)`` when a group breaks (set by :mod:`.flight_recorder`).
+on_failure: Callable[[Any, BaseException], None] | None = None
+
+now = time.monotonic
+
+
+def size_from_env() -> int:
+    """``DISTCOMM_FLIGHT_RECORDER_SIZE``, or the default; bad values fall back to it."""
+    raw = os.environ.get(ENV_SIZE, "").strip()
+    if not raw:
+        return DEFAULT_SIZE
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        return DEFAULT_SIZE
+
+
+def configure(size: int | None = None) -> None:
+    """(Re)start the ring with room for ``size`` entries (None: from the environment)."""
+    global ring
+    n = size_from_env() if size is None else max(0, int(size))
+    old = ring
+    ring = deque(old or (), maxlen=n) if n > 0 else None
+
+
+def entry(group: str, seq: int | None, op: str, info: Any, state: str, peer: Any = None) -> list[Any]:
+    """A new entry, appended to the ring (the caller checked ``ring`` is not None)."""
+    t = now()
+    e = [t, t if state == STARTED else None, None, state, group, seq, op, info, peer, None]
+    ring.append(e)  # type: ignore[union-attr]
+    return e
+
+
+def finish(e: list[Any], error: BaseException | None = None) -> None:
+    """Mark ``e`` completed, or failed with ``error``."""
+    e[F_FINISHED] = now()
+    if error is None:
+        e[F_STATE] = COMPLETED
+    else:
+        e[F_STATE] = FAILED
+        e[F_ERROR] = f"{type(error).__name__}: {error}"[:500]
+
+
+configure()

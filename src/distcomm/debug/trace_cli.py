@@ -1,0 +1,38 @@
+"""``distcomm trace analyze DIR``: explain the flight-recorder dumps of a job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .analyze import analyze
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    p = sub.add_parser("analyze", help="say what went wrong, from every rank's dump in DIR",
+                       description="Read every rank's flight-recorder dump in DIR and say which ranks are "
+                       "stuck in which operation, which never entered it, and which disagree on the order "
+                       "of collectives.")
+    p.add_argument("dir", metavar="DIR", help="the dump directory (DISTCOMM_FLIGHT_RECORDER_DIR)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.dir):
+        print(f"distcomm trace analyze: {args.dir}: no such directory", file=sys.stderr)
+        return 2
+    report = analyze(args.dir)
+    if args.json:
+        json.dump({"directory": report.directory, "expected": report.expected, "present": report.present,
+                   "missing": report.missing, "causes": report.causes, "findings": report.findings,
+                   "errors": report.errors}, sys.stdout, indent=1)
+        print()
+    else:
+        try:
+            print(report.text(), flush=True)
+        except BrokenPipeError:  # `| head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0

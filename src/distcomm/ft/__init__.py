@@ -1,0 +1,59 @@
+"""Fault tolerance: reconfigurable groups, a quorum service and a per-replica step manager.
+
+In torchft's vocabulary: a job is several *replicas* (copies of the model
+that train on different data); a *lighthouse* decides each step which
+replicas take part (the *quorum*); each replica's :class:`Manager` turns that
+quorum into a process group, averages gradients over it, and agrees with the
+others whether the step is *committed*.  A replica that was killed and
+restarted gets the current state from a healthy peer and trains on.  See
+docs/fault-tolerance.md.
+"""
+
+import importlib
+from typing import Any
+
+#: public name -> module that defines it (imported on first use: a replica
+#: never loads the lighthouse's asyncio server, nor the subprocess group)
+_WHERE = {
+    "ChecksumError": ".recovery",
+    "ErrorSwallowingProcessGroupWrapper": ".wrappers",
+    "LighthouseRefusedError": ".lighthouse_client",
+    "LighthouseServer": ".lighthouse",
+    "LighthouseThread": ".lighthouse",
+    "ManagedProcessGroup": ".wrappers",
+    "Manager": ".manager",
+    "ProcessGroupDummy": ".wrappers",
+    "ProcessGroupWrapper": ".wrappers",
+    "ReconfigurableProcessGroup": ".reconfigurable",
+    "SubprocessProcessGroup": ".subprocess_group",
+    "create_store_client": ".store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distcomm.ft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [
+    "ChecksumError",
+    "LighthouseRefusedError",
+    "LighthouseServer",
+    "LighthouseThread",
+    "Manager",
+    "ErrorSwallowingProcessGroupWrapper",
+    "ManagedProcessGroup",
+    "ProcessGroupDummy",
+    "ProcessGroupWrapper",
+    "ReconfigurableProcessGroup",
+    "SubprocessProcessGroup",
+    "create_store_client",
+]

@@ -1,0 +1,441 @@
+"""``Manager``: one per replica; quorum, averaged gradients, agreed commits, live recovery.
+
+A training step with a manager::
+
+    manager.start_quorum()              # ask the lighthouse (answer awaited in the background)
+    grads = compute_gradients(batch)    # meanwhile
+    manager.allreduce(grads)            # the average over the participating replicas
+    if manager.should_commit():         # every replica of the quorum agrees, or nobody commits
+        apply(grads)
+
+The quorum's members form a :class:`~.reconfigurable.ReconfigurableProcessGroup`
+(rebuilt only when the members change), over the store of one healthy member,
+under a prefix unique to the lighthouse's epoch and quorum id.  *Healthy*
+members are those at the highest committed step whose last commit is the one
+most of them share (so replicas that trained apart never mix states); the
+others are *healing*: before the step's collectives they fetch the state of a
+healthy peer (:mod:`.recovery`), then take part with zeros, so the average is
+over healthy replicas only.  At step 0 every replica but the first takes the
+first one's state (``init_sync``), so all start from the same weights.
+
+``allreduce`` and the collectives of a :class:`~.wrappers.ManagedProcessGroup`
+never raise for a failed peer: the error is kept (``errored()``) and
+``should_commit`` returns False.  What cannot be fixed by trying again next
+step (the lighthouse unreachable, this replica's id taken, no quorum within
+``quorum_timeout``) is raised by ``wait_quorum`` and ``should_commit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..arrays import as_array
+from ..deadline import Timeout, to_seconds
+from ..errors import DistBackendError, DistError, DistInputError, DistNetworkError
+from ..reduce_op import ReduceOp
+from ..store import TCPStore
+from ..work import Work, completed
+from .lighthouse_client import LighthouseClient, info_of_this_process
+from .reconfigurable import ReconfigurableProcessGroup
+from .recovery import ChecksumError, RecoveryServer, fetch_state
+
+__all__ = ["Manager"]
+
+log = logging.getLogger("distcomm.ft")
+
+
+class _QuorumError(DistError):
+    """Raised at the end of the step: the quorum could not be had at all."""
+
+
+class Manager:
+    """Fault-tolerant training for one replica (one process).
+
+    ``replica_id`` must be unique among live replicas; ``lighthouse_addr``
+    (``host:port``, default ``$DISTCOMM_LIGHTHOUSE``) is the lighthouse's.
+    ``timeout`` bounds each collective and group creation; ``quorum_timeout``
+    how long a step waits for its quorum; ``connect_timeout`` how long the
+    lighthouse may be unreachable.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str | None = None,
+        *,
+        backend: str = "auto",
+        timeout: Timeout = 10.0,
+        quorum_timeout: Timeout = 60.0,
+        connect_timeout: Timeout = 10.0,
+        heartbeat_interval: float = 0.25,
+        hostname: str | None = None,
+        init_sync: bool = True,
+        allow_pickle: bool = False,
+        pg: ReconfigurableProcessGroup | None = None,
+    ) -> None:
+        addr = lighthouse_addr or os.environ.get("DISTCOMM_LIGHTHOUSE")
+        if not addr:
+            raise DistInputError("give lighthouse_addr ('host:port') or set DISTCOMM_LIGHTHOUSE")
+        if not isinstance(replica_id, str) or not replica_id:
+            raise DistInputError(f"replica_id must be a non-empty str, got {replica_id!r}")
+        self.replica_id = replica_id
+        self.timeout = to_seconds(timeout)
+        self.quorum_timeout = to_seconds(quorum_timeout)
+        self.init_sync = init_sync
+        self.allow_pickle = allow_pickle
+        self.pg = pg if pg is not None else ReconfigurableProcessGroup(backend, self.timeout)
+        self._fns: dict[str, tuple[Callable[[Any], None] | None, Callable[[], Any]]] = {}
+        self._staging: dict[str, dict[int, np.ndarray]] = {}
+        self._cond = threading.Condition()
+        self._step = 0
+        self._commit_id = ""
+        self._phase = "idle"
+        self._errored: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._quorum_key: tuple[str, int] | None = None
+        self._failed_quorums: set[tuple[str, int]] = set()  # quorums a member of which died
+        self._quorum: dict | None = None
+        self._future: Future | None = None
+        self._fresh = True  # no quorum yet: the first one is awaited in start_quorum
+        self._healing = False
+        self._participants = 0
+        self._participating_rank: int | None = None
+        self._rank = 0
+        self._world = 0
+        self.stats: dict[str, Any] = {"heals": 0, "heal_seconds": [], "configures": 0,
+                                      "configure_seconds": [], "checksum_failures": 0}
+        self._client: LighthouseClient | None = None
+        self._store: TCPStore | None = None
+        self._recovery: RecoveryServer | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        try:
+            self._client = LighthouseClient(
+                addr, replica_id, connect_timeout=to_seconds(connect_timeout),
+                heartbeat_interval=heartbeat_interval, info=info_of_this_process(),
+                on_member_failed=self._member_failed,
+            )
+            host = hostname or os.environ.get("DISTCOMM_HOSTNAME") or self._client.local_host
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+            self._recovery = RecoveryServer(host, self._snapshot, allow_pickle=allow_pickle)
+            self._address = {"store": f"{host}:{self._store.port}", "recovery": self._recovery.address}
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="distcomm-ft-quorum")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- state registration ------------------------------------------------------------
+    def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None] | None,
+                               save_fn: Callable[[], Any]) -> None:
+        """State under ``key``: ``save_fn()`` returns it (arrays, dicts, lists, JSON values),
+        ``load_fn(state)`` installs a peer's (None: copy each array into ``save_fn()``'s, in place).
+
+        The arrays ``load_fn`` receives are reused by the next recovery: copy them.
+        """
+        if not isinstance(key, str) or not key:
+            raise DistInputError(f"state key must be a non-empty str, got {key!r}")
+        if not callable(save_fn) or (load_fn is not None and not callable(load_fn)):
+            raise DistInputError("save_fn (and load_fn, unless None) must be callable")
+        self._fns[key] = (load_fn, save_fn)
+
+    # -- the step ------------------------------------------------------------------------
+    def start_quorum(self, timeout: Timeout | None = None) -> None:
+        """Ask for this step's quorum; the answer (and any recovery) is awaited in the background."""
+        if self._executor is None:
+            raise DistBackendError("the manager was shut down")
+        if self._future is not None:
+            self._wait_future()
+        if self._fatal is not None:
+            raise self._fatal
+        self._errored = None
+        with self._cond:
+            self._phase = "quorum"
+            self._cond.notify_all()
+        seconds = self.quorum_timeout if timeout is None else to_seconds(timeout)
+        fresh, self._fresh = self._fresh, False
+        self._future = self._executor.submit(self._run_quorum, seconds, fresh)
+        if fresh:
+            # A new process waits for its first quorum (and recovery) here, before the caller
+            # computes anything: its gradients are then computed on the recovered state and it
+            # contributes in this very step (the others know: the quorum says "heal_first").
+            self._wait_future()
+            if self._fatal is not None:
+                raise self._fatal
+
+    def wait_quorum(self) -> None:
+        """Wait until the quorum is known and this replica is ready (recovered if it had to).
+
+        Raises what makes the step impossible (see the module docstring); a
+        peer's failure is only reported (``errored()``).
+        """
+        self._wait_future()
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _wait_future(self) -> None:
+        fut = self._future
+        if fut is None:
+            raise DistInputError("call start_quorum() first")
+        try:
+            fut.result()
+        except _QuorumError as e:
+            self._fatal = e.__cause__ or e
+            self.report_error(self._fatal)
+        except Exception as e:  # noqa: BLE001 - a peer's failure: reported
+            self.report_error(e)
+
+    def allreduce(self, tensor: Any, op: Any = ReduceOp.AVG) -> Work:
+        """Average (``op=AVG``) or sum ``tensor`` in place over the participating replicas.
+
+        A healing replica contributes zeros.  Never raises for a failed peer:
+        the error is reported and ``tensor`` left as it is.
+        """
+        ref = as_array(tensor, writable=True, what="tensor")
+        op = ReduceOp.AVG if op is None else op
+        if op not in (ReduceOp.AVG, ReduceOp.SUM):
+            raise DistInputError(f"Manager.allreduce averages or sums; got op={op}")
+        self._wait_future()
+        if self._errored is None:
+            try:
+                arr = ref.array
+                if self._healing:
+                    arr[...] = 0
+                self.pg.allreduce(tensor, ReduceOp.SUM)
+                if op == ReduceOp.AVG:
+                    if arr.dtype.kind in "fc":
+                        np.divide(arr, self._participants, out=arr)
+                    else:
+                        np.floor_divide(arr, self._participants, out=arr)
+            except DistInputError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                self.report_error(e)
+        return completed("all_reduce", "ft", tensor)
+
+    def should_commit(self, timeout: Timeout | None = None) -> bool:
+        """Whether every member of the quorum finished the step without error.
+
+        All members vote (a one-element all-reduce of MIN); a failure of the
+        vote itself counts as a no.  On a yes the step count goes up.
+        """
+        self._wait_future()
+        if self._fatal is not None:
+            raise self._fatal
+        ok = 1 if self._errored is None and self.pg.current is not None else 0
+        vote = np.array([ok], np.int32)
+        decision = False
+        if self.pg.current is not None:
+            try:
+                self.pg.allreduce(vote, ReduceOp.MIN)
+                decision = bool(vote[0] == 1)
+            except Exception as e:  # noqa: BLE001 - a failed vote is a no
+                self.report_error(e)
+        with self._cond:
+            if decision:
+                self._step += 1
+                epoch, qid = self._quorum_key or ("", 0)
+                self._commit_id = f"{epoch}:{qid}:{self._step}"
+                self._phase = "committing"
+            else:
+                self._phase = "idle"
+            self._cond.notify_all()
+        if self._client is not None:
+            self._client.step = self._step
+        if not decision:
+            log.info("replica %s: step %d discarded (%s)", self.replica_id, self._step + 1,
+                     self._errored or "a peer voted no")
+        return decision
+
+    # -- errors ----------------------------------------------------------------------------
+    def report_error(self, e: BaseException) -> None:
+        """Fail this step: ``should_commit`` will return False."""
+        if self._errored is None:
+            self._errored = e
+            log.info("replica %s: step %d failed: %s", self.replica_id, self._step + 1, e)
+
+    def errored(self) -> BaseException | None:
+        """The error of the current step, or None."""
+        return self._errored
+
+    # -- queries ---------------------------------------------------------------------------
+    def current_step(self) -> int:
+        """Steps committed so far (a recovered replica takes its peer's count)."""
+        return self._step
+
+    def num_participants(self) -> int:
+        """Replicas whose contribution counts in this step (healing ones do not)."""
+        self._wait_future()
+        return self._participants
+
+    def participating_rank(self) -> int | None:
+        """This replica's rank among the participants, None while it heals."""
+        self._wait_future()
+        return self._participating_rank
+
+    def is_healing(self) -> bool:
+        """Whether this replica recovers in this step and contributes zeros to it."""
+        self._wait_future()
+        return self._healing
+
+    @property
+    def commit_id(self) -> str:
+        return self._commit_id
+
+    @property
+    def quorum(self) -> dict | None:
+        """The last quorum (as the lighthouse sent it)."""
+        return self._quorum
+
+    # -- the quorum, in the background ------------------------------------------------------
+    def _run_quorum(self, timeout: float, fresh: bool = False) -> None:
+        assert self._client is not None
+        need = self.pg.current is None or self.pg.errored() is not None
+        try:
+            q = self._client.quorum(self._step, self._commit_id, self._address, need, timeout,
+                                    heal_first=fresh)
+        except DistError as e:
+            raise _QuorumError(str(e)) from e
+        self._quorum = q
+        members = q["members"]
+        ids = [m["replica_id"] for m in members]
+        rank = ids.index(self.replica_id)
+        top = max(m["step"] for m in members)
+        at_top = [m for m in members if m["step"] == top]
+        if top == 0 and self.init_sync:
+            healthy = at_top[:1]
+        else:
+            counts = Counter(m["commit_id"] for m in at_top)
+            best = max(counts.values())
+            lineage = next(m["commit_id"] for m in at_top if counts[m["commit_id"]] == best)
+            healthy = [m for m in at_top if m["commit_id"] == lineage]
+        healthy_ids = [m["replica_id"] for m in healthy]
+        # who contributes: the healthy, and those that recover before computing (heal_first)
+        contributing = [m["replica_id"] for m in members
+                        if m["replica_id"] in healthy_ids or m.get("heal_first")]
+        key = (q["epoch"], q["quorum_id"])
+        self._rank, self._world = rank, len(members)
+        self._participants = len(contributing)
+        behind = self.replica_id not in healthy_ids
+        self._healing = self.replica_id not in contributing  # contributes zeros this step
+        self._participating_rank = None if self._healing else contributing.index(self.replica_id)
+        if key != self._quorum_key or self.pg.current is None:
+            self._quorum_key = None
+            if key in self._failed_quorums:
+                raise DistBackendError(f"a member of quorum {key[1]} died before its group was built")
+            store = healthy[0]["address"]["store"]
+            t0 = time.monotonic()
+            self.pg.configure(f"{store}/ft/{key[0]}/{key[1]}", rank, len(members))
+            self.stats["configures"] += 1
+            self.stats["configure_seconds"].append(time.monotonic() - t0)
+            self._quorum_key = key
+        if behind:
+            self._heal(healthy, rank, top)
+
+    def _heal(self, healthy: list[dict], rank: int, step: int) -> None:
+        t0 = time.monotonic()
+        sources = healthy[rank % len(healthy):] + healthy[: rank % len(healthy)]
+        errors = []
+        for src in sources:
+            try:
+                got_step, commit_id, tree = fetch_state(
+                    src["address"]["recovery"], step, src["commit_id"], self._staging.setdefault(
+                        src["replica_id"], {}), timeout=self.timeout, allow_pickle=self.allow_pickle)
+            except ChecksumError as e:
+                self.stats["checksum_failures"] += 1
+                log.warning("replica %s: %s; trying another peer", self.replica_id, e)
+                errors.append(f"{src['replica_id']}: {e}")
+                continue
+            except (DistNetworkError, OSError, ValueError) as e:
+                log.warning("replica %s: recovery from %s failed: %s", self.replica_id, src["replica_id"], e)
+                errors.append(f"{src['replica_id']}: {e}")
+                continue
+            self._load(tree)
+            with self._cond:
+                self._step, self._commit_id = got_step, commit_id
+            if self._client is not None:
+                self._client.step = got_step
+            seconds = time.monotonic() - t0
+            self.stats["heals"] += 1
+            self.stats["heal_seconds"].append(seconds)
+            log.info("replica %s: recovered step %d from %s in %.3f s", self.replica_id, got_step,
+                     src["replica_id"], seconds)
+            return
+        raise DistBackendError(f"replica {self.replica_id} could not recover step {step} from any "
+                               f"healthy peer: {'; '.join(errors)}")
+
+    def _load(self, tree: Any) -> None:
+        if not isinstance(tree, dict):
+            raise DistBackendError("the peer sent a state that is not a dict of registered keys")
+        missing = set(self._fns) - set(tree)
+        if missing:
+            raise DistBackendError(f"the peer's state lacks the registered keys {sorted(missing)}")
+        for key, (load_fn, save_fn) in self._fns.items():
+            if load_fn is not None:
+                load_fn(tree[key])
+            else:
+                _copy_into(save_fn(), tree[key], key)
+
+    def _snapshot(self, step: int, commit_id: str) -> tuple[int, str, Any]:
+        """Called by the recovery server: this replica's state at ``step``, once it is stable."""
+        with self._cond:
+            ready = self._cond.wait_for(
+                lambda: self._step >= step and self._phase != "committing", timeout=self.timeout)
+            if not ready or self._step != step or (commit_id and commit_id != self._commit_id):
+                raise DistBackendError(
+                    f"replica {self.replica_id} is at step {self._step} (commit {self._commit_id!r}, "
+                    f"{self._phase}), not at step {step} (commit {commit_id!r})")
+            return self._step, self._commit_id, {k: save() for k, (_, save) in self._fns.items()}
+
+    def _member_failed(self, note: dict) -> None:
+        key = (note.get("epoch"), note.get("quorum_id"))
+        self._failed_quorums.add(key)  # type: ignore[arg-type]
+        if key == self._quorum_key or self._quorum_key is None:
+            self.pg.abort(DistBackendError(
+                f"replica {note.get('replica_id')} of quorum {note.get('quorum_id')} failed: {note.get('why')}",
+                peer=note.get("replica_id")))
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def shutdown(self, wait: bool = True) -> None:
+        """Leave the job: stop the threads, close the group, the store and the servers."""
+        executor, self._executor = self._executor, None
+        if self._client is not None:
+            self._client.close()  # also ends a quorum request in progress
+        if executor is not None:
+            self.pg.abort(DistBackendError("the manager is shutting down"))
+            executor.shutdown(wait=wait)
+        self._client = None
+        self.pg.shutdown()
+        if self._recovery is not None:
+            self._recovery.close()
+            self._recovery = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _copy_into(target: Any, source: Any, where: str) -> None:
+    if isinstance(target, np.ndarray):
+        if not isinstance(source, np.ndarray) or source.shape != target.shape:
+            raise DistBackendError(f"state {where}: cannot copy {getattr(source, 'shape', type(source))} "
+                                   f"into an array of shape {target.shape}; give a load_fn")
+        np.copyto(target, source)
+    elif isinstance(target, dict):
+        for k, v in target.items():
+            _copy_into(v, source[k], f"{where}/{k}")
+    elif isinstance(target, (list, tuple)):
+        for i, v in enumerate(target):
+            _copy_into(v, source[i], f"{where}/{i}")

@@ -1,0 +1,272 @@
+"""Process groups in torchft's shapes, over any distcomm group.
+
+* :class:`ProcessGroupWrapper`: every call goes to a parent group; ``configure``
+  too (the parent is usually a :class:`~.reconfigurable.ReconfigurableProcessGroup`).
+* :class:`ErrorSwallowingProcessGroupWrapper`: after the first error every
+  operation returns at once, its inputs unchanged, and the error stays in
+  :meth:`~ErrorSwallowingProcessGroupWrapper.error` until the next ``configure``.
+  The training loop never sees an exception; it asks once per step.
+* :class:`ManagedProcessGroup`: the group a :class:`~.manager.Manager` holds,
+  as a process group for model code: its size is the number of replicas
+  participating in the current step, errors go to the manager.
+* :class:`ProcessGroupDummy`: one rank, every operation a no-op that succeeds.
+
+Argument mistakes (:class:`~distcomm.errors.DistInputError`,
+:class:`~distcomm.errors.DistTypeError`) are the caller's bugs and are raised,
+never swallowed.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from ..deadline import Timeout
+from ..errors import DistBackendError, DistInputError, DistTypeError
+from ..group import ProcessGroup
+from ..reduce_op import ReduceOp
+from ..work import Work, completed
+from .reconfigurable import COLLECTIVES
+
+__all__ = [
+    "ProcessGroupWrapper",
+    "ErrorSwallowingProcessGroupWrapper",
+    "ManagedProcessGroup",
+    "ProcessGroupDummy",
+]
+
+_CALLER_MISTAKES = (DistInputError, DistTypeError)
+
+
+def _natural_result(name: str, args: tuple, kwargs: dict) -> Any:
+    """What a call returns as its Work's result: its output argument."""
+    if name in ("barrier",):
+        return None
+    if name in ("allgather", "alltoall", "reduce_scatter", "allgather_into_tensor",
+                "reduce_scatter_tensor", "alltoall_single"):
+        return args[0] if args else kwargs.get("output", kwargs.get("output_list"))
+    if name == "gather":
+        return args[1] if len(args) > 1 else kwargs.get("gather_list")
+    return args[0] if args else kwargs.get("tensor")
+
+
+class ProcessGroupWrapper(ProcessGroup):
+    """Forwards every call to ``pg`` (its :attr:`parent`)."""
+
+    backend_name = "wrapper"
+
+    def __init__(self, pg: ProcessGroup | None = None) -> None:
+        timeout = pg.timeout if pg is not None else 60.0
+        super().__init__(0, 1, f"{type(self).__name__}", timeout, [0])
+        self._pg = pg
+
+    @property
+    def parent(self) -> ProcessGroup:
+        if self._pg is None:
+            raise DistBackendError(f"{type(self).__name__} wraps no process group")
+        return self._pg
+
+    def rank(self) -> int:
+        return self.parent.rank()
+
+    def size(self) -> int:
+        return self.parent.size()
+
+    @property  # type: ignore[override]
+    def ranks(self) -> list[int]:
+        return list(range(self.size()))
+
+    @ranks.setter
+    def ranks(self, value: list[int]) -> None:
+        pass
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        parent = self._pg
+        getter = getattr(parent, "getBackendName", None)
+        return getter() if getter else getattr(parent, "backend_name", "undefined")
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Reconfigure the parent (see ``ReconfigurableProcessGroup.configure``)."""
+        self.parent.configure(store_addr, rank, world_size)  # type: ignore[attr-defined]
+
+    def errored(self) -> BaseException | None:
+        return self.parent.errored()
+
+    def abort(self, cause: BaseException | None = None) -> None:
+        self.parent.abort(cause)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pg is not None:
+            self._pg.shutdown()
+        self._serial.stop(DistBackendError("the process group was shut down"))
+
+    def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
+        return getattr(self.parent, name)(*args, **kwargs)
+
+
+class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
+    """After an error, operations return at once with their inputs unchanged.
+
+    The error is kept in :meth:`error` (and :meth:`errored`) until the next
+    :meth:`configure`.  Errors of asynchronous operations are caught when
+    their Work is waited on.
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        super().__init__(pg)
+        self._error: BaseException | None = None
+
+    def error(self) -> BaseException | None:
+        """The error reported to this group since the last configure, or None."""
+        return self._error
+
+    def errored(self) -> BaseException | None:
+        return self.error()
+
+    def report_error(self, e: BaseException) -> None:
+        """Skip every operation from now on, until the next ``configure``."""
+        if self._error is None:
+            self._error = e
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        self._error = None
+        super().configure(store_addr, rank, world_size)
+
+    def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
+        if self.error() is not None:
+            return completed(name, self.group_name, _natural_result(name, args, kwargs))
+        try:
+            work = super()._call(name, args, kwargs)
+        except _CALLER_MISTAKES:
+            raise
+        except Exception as e:  # noqa: BLE001 - swallowed by design, kept in error()
+            self.report_error(e)
+            return completed(name, self.group_name, _natural_result(name, args, kwargs))
+        if work.is_completed() and work.exception() is None:
+            return work
+        return _SwallowingWork(work, self, _natural_result(name, args, kwargs))
+
+
+class _SwallowingWork(Work):
+    """A Work whose failure is reported to a group instead of raised."""
+
+    def __init__(self, inner: Work, owner: ErrorSwallowingProcessGroupWrapper, result: Any) -> None:
+        super().__init__(inner.op, inner.group, inner.seq, lambda: "its group")
+        self._inner = inner
+        self._owner = owner
+        self._value = result
+
+    def wait(self, timeout: Timeout | None = None) -> bool:
+        try:
+            self._inner.wait(timeout)
+        except _CALLER_MISTAKES:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            self._owner.report_error(e)
+        self._finish(self._value)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_completed()
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+
+        def done(_: Future) -> None:
+            self.wait()
+            fut.set_result(self._value)
+
+        self._inner.get_future().add_done_callback(done)
+        return fut
+
+
+class ManagedProcessGroup(ErrorSwallowingProcessGroupWrapper):
+    """The manager's group as a process group for model code.
+
+    ``size()`` is the number of replicas participating in the current step;
+    ``allreduce`` is the manager's (the average over participants, healing
+    replicas contributing zeros, for SUM and AVG); errors are reported to the
+    manager and every call returns normally.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        super().__init__(manager.pg)
+
+    def size(self) -> int:
+        return self._manager.num_participants()
+
+    def rank(self) -> int:
+        """This replica's rank among the participants (among all members while it heals)."""
+        r = self._manager.participating_rank()
+        return self._manager.pg.rank() if r is None else r
+
+    def error(self) -> BaseException | None:
+        return self._manager.errored()
+
+    def report_error(self, e: BaseException) -> None:
+        self._manager.report_error(e)
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        raise DistBackendError("a ManagedProcessGroup is configured by its Manager, at each quorum")
+
+    def allreduce(self, tensor: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Work:
+        return self._manager.allreduce(tensor, op=op)
+
+    def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
+        self._manager.wait_quorum()
+        return super()._call(name, args, kwargs)
+
+    def shutdown(self) -> None:
+        self._closed = True  # the manager owns the group
+        self._serial.stop(DistBackendError("the process group was shut down"))
+
+
+class ProcessGroupDummy(ProcessGroup):
+    """A group of one rank whose operations do nothing and succeed (torchft's dummy)."""
+
+    backend_name = "dummy"
+
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
+        if world != 1 or rank != 0:
+            raise DistInputError(f"ProcessGroupDummy supports only rank 0 of world size 1, got {rank}/{world}")
+        super().__init__(0, 1, "dummy", 60.0, [0])
+        self.configure_count = 0
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "dummy"
+
+    def configure(self, store_addr: str, rank: int, world_size: int) -> None:
+        self.configure_count += 1
+
+    def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
+        return completed(name, self.group_name, _natural_result(name, args, kwargs))
+
+
+def _forwarder(name: str):
+    def method(self, *args: Any, **kwargs: Any) -> Work:
+        return self._call(name, args, kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``{name}`` through this wrapper."
+    return method
+
+
+for _name in COLLECTIVES:
+    for _cls in (ProcessGroupWrapper, ProcessGroupDummy):
+        if _name not in _cls.__dict__:
+            setattr(_cls, _name, _forwarder(_name))

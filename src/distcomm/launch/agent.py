@@ -1,0 +1,427 @@
+"""The launcher of one node: rendezvous, start the workers, watch them, restart or stop.
+
+One loop in the main thread waits (``selectors``) on the workers' output
+pipes, their pidfds (an exit wakes it at once), and a socket that signal
+handlers write to.  Every ``--monitor-interval`` a multi-node job also reads
+the rendezvous round from the store, to learn that another node restarted,
+gave up, or wants to join.
+
+* A worker exits non-zero: the others get SIGTERM (their whole process
+  groups), SIGKILL after ``--shutdown-timeout``; the group restarts if
+  restarts remain (a new rendezvous round, so every node restarts), else the
+  launcher prints the rank, exit code or signal, and the tail of its stderr,
+  and exits with status 1.
+* SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher: forwarded to every worker
+  group, SIGKILL after the grace (at once on a second signal); exit status 128+signal.
+* All workers exit 0: the launcher hosting the store waits for the other
+  nodes to finish (exit barrier), then exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..deadline import Deadline
+from ..errors import DistConnectTimeoutError, DistError, DistNetworkError, DistProtocolError
+from ..store import TCPStore, auth
+from .args import RunConfig
+from .output import StreamSink
+from .rdzv import Membership, NodeRendezvous, RendezvousFailed
+from .workers import Worker, WorkerSpec, describe_exit, signal_name, start_worker
+
+__all__ = ["Agent", "LaunchError"]
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+#: How long the store's host waits for the other nodes after its workers succeeded.
+EXIT_BARRIER_TIMEOUT = 300.0
+#: Seconds a store on this machine (another launcher's) gets to answer our handshake.
+LOCAL_STORE_ANSWER = 5.0
+#: Timeout of store calls while workers run (they never wait for keys).
+STORE_OP_TIMEOUT = 5.0
+
+T = TypeVar("T")
+
+
+class LaunchError(Exception):
+    """A failure before any worker ran; the message is one line."""
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _say(message: str) -> None:
+    try:
+        sys.stderr.write(f"distcomm run: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+class Agent:
+    """Runs one node's part of a job; :meth:`run` returns the exit status."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        # A one-node job is protected by a fresh token (unless the user gave one):
+        # the store and every worker connection must prove they know it.
+        self.auth_token = os.environ.get(auth.ENV_VAR) or (
+            auth.new_token() if cfg.nnodes == (1, 1) else None)
+        self.store: TCPStore | None = None
+        self.rdzv: NodeRendezvous | None = None
+        self.workers: list[Worker] = []
+        self.restarts = 0
+        self.attempt = 0
+        self.signum: int | None = None
+        self.raise_on_signal = True
+        self.store_lost = False
+        self.hosting = False  # this launcher runs the job's store server
+        self.sel = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.log_root: str | None = None
+
+    # -- signals -------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        first = self.signum is None
+        self.signum = signum
+        if not first:  # a second signal: no more grace
+            for w in self.workers:
+                w.signal_group(signal.SIGKILL)
+        if self.raise_on_signal and first:
+            raise _Interrupted(signum)
+
+    def _install_signals(self) -> dict:
+        old = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS}
+        self.wake_w.setblocking(False)
+        self.wake_r.setblocking(False)
+        old["wakeup"] = signal.set_wakeup_fd(self.wake_w.fileno(), warn_on_full_buffer=False)
+        self.sel.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
+        return old
+
+    def _restore_signals(self, old: dict) -> None:
+        signal.set_wakeup_fd(old.pop("wakeup"))
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+    # -- the whole run -------------------------------------------------------
+    def run(self) -> int:
+        old = self._install_signals()
+        try:
+            return self._run()
+        except _Interrupted as i:
+            _say(f"got {signal_name(i.signum)} before the workers started; stopping")
+            return 128 + i.signum
+        finally:
+            self.raise_on_signal = False
+            self._stop_workers(signal.SIGKILL, 0)
+            if self.store is not None:
+                self.store.close()
+            self.sel.close()
+            self.wake_r.close()
+            self.wake_w.close()
+            self._restore_signals(old)
+
+    def _run(self) -> int:
+        self._open_store()
+        assert self.store is not None
+        run_id = uuid.uuid4().hex[:12] if self.cfg.rdzv_id == "default" else self.cfg.rdzv_id
+        try:
+            self.rdzv = NodeRendezvous(
+                self.store, self.cfg.rdzv_id, self.cfg.nproc, self.cfg.nnodes,
+                self.cfg.node_rank, self.cfg.last_call, self.cfg.join_timeout, run_id,
+            )
+        except DistError as e:
+            raise LaunchError(f"the job's store failed: {e}") from None
+        self.rdzv.interrupted = lambda: self.signum is not None
+        while True:
+            self.store.set_timeout(self.cfg.join_timeout)
+            try:
+                members = self.rdzv.join()
+            except (RendezvousFailed, DistError) as e:
+                if self.signum is not None:
+                    _say(f"got {signal_name(self.signum)} while joining; stopping")
+                    return 128 + self.signum
+                if isinstance(e, RendezvousFailed):
+                    if self.hosting:
+                        self._store(lambda r: r.linger(), None)
+                    raise LaunchError(str(e)) from None
+                raise LaunchError(f"the job's store failed: {e}") from None
+            # From here on store calls never block: a store that went away must not stall us.
+            self.store.set_timeout(STORE_OP_TIMEOUT)
+            self._start_workers(members)
+            outcome = self._monitor(members)
+            if outcome is not None:
+                return outcome
+
+    def _open_store(self) -> None:
+        cfg = self.cfg
+        addr = f"{cfg.store_host}:{cfg.store_port}"
+        timeout = cfg.join_timeout
+        if cfg.host_store in ("yes", "try"):
+            try:
+                self.store = TCPStore(cfg.store_host, cfg.store_port, None, True, timeout,
+                                      wait_for_workers=False, auth_token=self.auth_token)
+                self.hosting = True
+                return
+            except DistNetworkError as e:
+                if cfg.host_store == "yes":
+                    raise LaunchError(
+                        f"cannot host the job's store on {addr}: {_reason(e)} "
+                        f"(is another job using port {cfg.store_port}?)"
+                    ) from None
+        # Another launcher hosts it.  Here already (we could not bind): it must answer soon.
+        local = cfg.host_store == "try"
+        try:
+            self.store = TCPStore(cfg.store_host, cfg.store_port, None, False,
+                                  LOCAL_STORE_ANSWER if local else timeout, auth_token=self.auth_token)
+            self.store.set_timeout(timeout)
+        except DistProtocolError:
+            raise LaunchError(f"{addr} is in use by something that is not a distcomm store") from None
+        except DistConnectTimeoutError as e:
+            if local:
+                raise LaunchError(f"{addr} is in use by something that is not a distcomm store "
+                                  "(it does not answer)") from None
+            raise LaunchError(f"cannot reach the job's store at {addr}: {_reason(e)}") from None
+        except DistError as e:
+            raise LaunchError(f"cannot reach the job's store at {addr}: {_reason(e)}") from None
+
+    # -- workers -------------------------------------------------------------
+    def _worker_env(self, m: Membership, local_rank: int) -> dict[str, str]:
+        cfg = self.cfg
+        assert self.store is not None
+        rank = m.rank_offset + local_rank
+        env = dict(os.environ)
+        for name in ("TORCHELASTIC_USE_AGENT_STORE", "DISTCOMM_STORE_PORT"):
+            env.pop(name, None)
+        values = {
+            "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": m.world_size,
+            "LOCAL_WORLD_SIZE": cfg.nproc, "GROUP_RANK": m.group_rank,
+            "GROUP_WORLD_SIZE": m.nnodes, "ROLE_NAME": cfg.role, "ROLE_RANK": rank,
+            "ROLE_WORLD_SIZE": m.world_size, "MASTER_ADDR": cfg.store_host,
+            "MASTER_PORT": self.store.port, "DISTCOMM_USE_AGENT_STORE": 1,
+            "DISTCOMM_STORE_PREFIX": f"run/{m.run_id}/round{m.round}",
+            "DISTCOMM_RUN_ID": m.run_id, "TORCHELASTIC_RUN_ID": m.run_id,
+            "DISTCOMM_RESTART_COUNT": self.restarts, "TORCHELASTIC_RESTART_COUNT": self.restarts,
+            "DISTCOMM_MAX_RESTARTS": cfg.max_restarts,
+            "TORCHELASTIC_MAX_RESTARTS": cfg.max_restarts, "DISTCOMM_RDZV_ROUND": m.round,
+        }
+        env.update({k: str(v) for k, v in values.items()})
+        if self.auth_token:
+            env[auth.ENV_VAR] = self.auth_token
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _log_file(self, local_rank: int, name: str, bits: int, want: int):
+        if not bits & want:
+            return None
+        if self.log_root is None:
+            base = self.cfg.log_dir or tempfile.mkdtemp(prefix="distcomm-run-")
+            self.log_root = base
+            _say(f"worker logs in {base}")
+        path = os.path.join(self.log_root, f"attempt_{self.attempt}", str(local_rank))
+        os.makedirs(path, exist_ok=True)
+        return open(os.path.join(path, f"{name}.log"), "ab")
+
+    def _sinks(self, local_rank: int, rank: int) -> tuple[StreamSink, StreamSink]:
+        cfg = self.cfg
+        tee = cfg.tee.get(local_rank, cfg.tee.get(None, 0))
+        red = cfg.redirects.get(local_rank, cfg.redirects.get(None, 0))
+        if cfg.log_dir and not cfg.tee and not cfg.redirects:
+            tee = 3  # --log-dir alone: keep both streams, show them too
+        shown = cfg.ranks_filter is None or local_rank in cfg.ranks_filter
+        prefix = f"[rank{rank}]:".encode() if cfg.prefix else b""
+        sinks = []
+        for name, bit, console in (("stdout", 1, sys.stdout), ("stderr", 2, sys.stderr)):
+            log = self._log_file(local_rank, name, tee | red, bit)
+            to_console = shown and not (red & bit)
+            sinks.append(StreamSink(prefix, console.buffer if to_console else None, log))
+        return sinks[0], sinks[1]
+
+    def _start_workers(self, m: Membership) -> None:
+        self.workers = []
+        for local_rank in range(self.cfg.nproc):
+            spec = WorkerSpec(local_rank, m.rank_offset + local_rank, self.cfg.argv,
+                              self._worker_env(m, local_rank))
+            out, err = self._sinks(local_rank, spec.rank)
+            try:
+                w = start_worker(spec, out, err)
+            except OSError as e:
+                out.close()
+                err.close()
+                raise LaunchError(f"cannot start {self.cfg.argv[0]!r}: {e.strerror or e}") from None
+            self.workers.append(w)
+            for fd in w.open_fds:
+                self.sel.register(fd, selectors.EVENT_READ, ("out", w))
+            if w.pidfd is not None:
+                self.sel.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
+        self.raise_on_signal = False
+        if self.signum is not None:  # arrived while starting
+            raise _Interrupted(self.signum)
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for output, exits or signals, and handle them."""
+        for key, _ in self.sel.select(timeout):
+            kind, w = key.data
+            if kind == "out":
+                if not w.drain(key.fd):
+                    self.sel.unregister(key.fd)
+                    w.open_fds.discard(key.fd)
+                    os.close(key.fd)
+            elif kind == "wake":
+                try:
+                    self.wake_r.recv(512)
+                except BlockingIOError:
+                    pass
+            elif kind == "exit" and w.pidfd is not None:
+                self.sel.unregister(w.pidfd)
+                os.close(w.pidfd)
+                w.pidfd = None
+        for w in self.workers:
+            w.poll()
+
+    def _release(self, w: Worker) -> None:
+        for fd in list(w.open_fds):
+            w.drain(fd)
+            self.sel.unregister(fd)
+        if w.pidfd is not None:
+            self.sel.unregister(w.pidfd)
+        w.close_fds()
+
+    def _stop_workers(self, sig: int, grace: float) -> None:
+        """Signal every live worker's group, SIGKILL after ``grace``, reap, release."""
+        live = [w for w in self.workers if w.poll() is None]
+        for w in live:
+            w.stopped_by_us = True
+            w.signal_group(sig)
+        deadline = Deadline(grace)
+        while any(w.poll() is None for w in live) and not deadline.expired():
+            self._pump(min(0.05, max(deadline.remaining(), 0.0)))
+        for w in live:
+            w.signal_group(signal.SIGKILL)  # stragglers
+        for w in self.workers:
+            w.poll(block=True)  # reaps, after killing what the worker left in its group
+            self._release(w)
+
+    # -- watching ------------------------------------------------------------
+    def _monitor(self, m: Membership) -> int | None:
+        """Watch the workers of round ``m``; return an exit status, or None to rejoin."""
+        cfg = self.cfg
+        multi = cfg.nnodes[1] > 1
+        poll_all = any(w.pidfd is None for w in self.workers)
+        next_check = time.monotonic() + cfg.monitor_interval
+        while True:
+            wait = cfg.monitor_interval if (multi and not self.store_lost) or poll_all else None
+            self._pump(wait if wait is not None else 3600.0)
+            if self.signum is not None:
+                return self._interrupted()
+            failed = next((w for w in self.workers if w.returncode not in (None, 0)), None)
+            if failed is not None:
+                return self._failed(m, failed)
+            if all(w.returncode == 0 for w in self.workers):
+                self._stop_workers(signal.SIGTERM, 0)
+                return self._succeeded(m)
+            if multi and not self.store_lost and time.monotonic() >= next_check:
+                next_check = time.monotonic() + cfg.monitor_interval
+                outcome = self._check_round(m)
+                if outcome != "":
+                    return outcome
+
+    def _store(self, fn: Callable[[NodeRendezvous], T], default: T) -> T:
+        """``fn(rendezvous)``, or ``default`` once the store failed (its host left)."""
+        if self.store_lost or self.rdzv is None:
+            return default
+        try:
+            return fn(self.rdzv)
+        except DistError:
+            self.store_lost = True
+            return default
+
+    def _round_changed(self, m: Membership) -> int | None | str:
+        """"" while round ``m`` goes on; None (rejoin) when another node restarted or
+        joined; 1 when another node gave up (after saying so)."""
+        if self._store(lambda r: r.current_round(), m.round) == m.round:
+            return ""
+        message = self._store(lambda r: r.aborted(m.round), None)
+        if message is not None:
+            _say(f"another node gave up: {message}")
+            return 1
+        self.attempt += 1
+        return None
+
+    def _check_round(self, m: Membership) -> int | None | str:
+        outcome = self._round_changed(m)
+        if outcome != "":
+            self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
+            if outcome is None:
+                _say("the job's membership changed (a node joined or restarted); "
+                     "restarting the workers")
+        return outcome
+
+    def _interrupted(self) -> int:
+        sig = self.signum or signal.SIGTERM
+        _say(f"got {signal_name(sig)}; stopping {len(self.workers)} workers")
+        self._stop_workers(sig, self.cfg.shutdown_timeout)
+        if self.cfg.nnodes[1] > 1:
+            message = f"a launcher on {socket.gethostname()} got {signal_name(sig)}"
+            self._store(lambda r: r.abort(r.current_round(), message), None)
+        return 128 + sig
+
+    def _failed(self, m: Membership, w: Worker) -> int | None:
+        code = w.returncode
+        assert code is not None
+        what = f"rank {w.spec.rank} (local rank {w.spec.local_rank}, pid {w.pid}) {describe_exit(code)}"
+        others = sum(1 for x in self.workers if x.returncode is None)
+        self._release(w)  # its last output first, then our report
+        _say(f"{what}; stopping the other {others} workers")
+        self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
+        if self.cfg.nnodes[1] > 1:  # did another node fail first (and take ours down)?
+            outcome = self._round_changed(m)
+            if outcome != "":
+                return outcome
+        if self.restarts < self.cfg.max_restarts:
+            self.restarts += 1
+            self.attempt += 1
+            _say(f"restarting the workers (restart {self.restarts} of {self.cfg.max_restarts})")
+            self._store(lambda r: r.next_round(m.round), None)
+            return None
+        tail = w.stderr.tail_text()
+        report = [f"{what}; no restarts left (--max-restarts {self.cfg.max_restarts})"]
+        if tail:
+            report.append(f"last lines of rank {w.spec.rank}'s stderr:")
+            report.extend(f"  {line}" for line in tail)
+        _say("\n".join(report))
+        if self.cfg.nnodes[1] > 1:
+            self._store(lambda r: r.abort(m.round, f"{what} on {socket.gethostname()}"), None)
+        return 1
+
+    def _succeeded(self, m: Membership) -> int:
+        if m.nnodes == 1 or self._store(lambda r: r.mark_done(m.round), None) is None:
+            return 0
+        if not self.hosting:
+            return 0
+        # The store's host stays until every node is done (their workers may still use it).
+        deadline = Deadline(EXIT_BARRIER_TIMEOUT)
+        while not deadline.expired() and self.signum is None and not self.store_lost:
+            if self._store(lambda r: r.done(m.round), 0) >= m.nnodes:
+                return 0
+            outcome = self._round_changed(m)
+            if outcome != "":
+                return outcome or 0
+            time.sleep(self.cfg.monitor_interval)
+        return 0 if self.signum is None else 128 + self.signum
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e)
+    return text.rsplit(": ", 1)[-1] if ": " in text else text

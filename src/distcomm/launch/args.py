@@ -1,0 +1,258 @@
+"""``distcomm run``'s command line (torchrun's flags) and its checks.
+
+:func:`add_arguments` defines the flags (dashes or torchrun's underscores);
+:func:`to_config` checks them and returns a :class:`RunConfig`, raising
+:class:`UsageError` with a one-line message for anything wrong: the caller
+prints it and exits with status 2 before any process or socket exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from .output import parse_std_spec
+
+__all__ = ["RunConfig", "UsageError", "add_arguments", "to_config"]
+
+DEFAULT_MASTER_PORT = 29500
+#: torchrun's defaults for --rdzv-conf keys (seconds).
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL = 30.0
+
+
+class UsageError(Exception):
+    """A bad command line; the message is one line."""
+
+
+@dataclass
+class RunConfig:
+    """A checked ``distcomm run`` command line."""
+
+    argv: list[str]  # the worker command, interpreter included
+    nproc: int
+    nnodes: tuple[int, int]
+    node_rank: int | None  # None: ranks by arrival (--rdzv-endpoint)
+    store_host: str  # where the job's store is (MASTER_ADDR for workers)
+    store_port: int  # 0: pick a free one (single node)
+    host_store: str  # "yes", "no", or "try" (the endpoint is this machine)
+    rdzv_id: str
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    shutdown_timeout: float = 5.0
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    last_call: float = DEFAULT_LAST_CALL
+    role: str = "default"
+    prefix: bool = True
+    log_dir: str | None = None
+    tee: dict = field(default_factory=dict)
+    redirects: dict = field(default_factory=dict)
+    ranks_filter: set[int] | None = None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add torchrun's flags (and distcomm's few) to ``p``."""
+
+    def flag(name: str, torchrun: bool = True, **kw) -> None:
+        names = [f"--{name}"]
+        if "-" in name and torchrun:  # torchrun also takes --nproc_per_node etc.
+            names.append("--" + name.replace("-", "_"))
+        p.add_argument(*names, **kw)
+
+    flag("nproc-per-node", default="1", metavar="N", help="workers on this node: N, or auto (CPUs)")
+    flag("nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes, or a range (elastic)")
+    flag("node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    flag("master-addr", default="127.0.0.1", help="host of node 0 (static rendezvous)")
+    flag("master-port", type=int, default=None,
+         help=f"port of the job's store on node 0 (default {DEFAULT_MASTER_PORT}; "
+         "one node: a free port)")
+    flag("standalone", action="store_true", help="one node, store on a free local port")
+    flag("rdzv-backend", default=None, help="c10d (with --rdzv-endpoint) or static")
+    flag("rdzv-endpoint", default="", metavar="HOST:PORT",
+         help="store for elastic membership; the launcher on HOST hosts it")
+    flag("rdzv-id", default="", help="job id: launchers with the same id form one job")
+    flag("rdzv-conf", default="", metavar="K=V,...",
+         help=f"join_timeout (default {DEFAULT_JOIN_TIMEOUT:g}), "
+         f"last_call_timeout (default {DEFAULT_LAST_CALL:g})")
+    flag("max-restarts", type=int, default=0, help="restarts of the worker group before failing")
+    flag("monitor-interval", type=float, default=0.1, help="seconds between health checks")
+    flag("shutdown-timeout", type=float, default=5.0,
+         help="seconds between SIGTERM and SIGKILL when stopping workers")
+    flag("role", default="default", help="name of the workers' role (ROLE_NAME)")
+    flag("log-dir", default=None, help="directory for per-worker log files")
+    p.add_argument("-r", "--redirects", default="", help="to log files only: 0-3 or 0:1,1:2")
+    p.add_argument("-t", "--tee", default="", help="to log files and console: 0-3 or 0:1,1:2")
+    flag("local-ranks-filter", default="", help="show only these local ranks on the console")
+    flag("rank-prefix", torchrun=False, action=argparse.BooleanOptionalAction, default=True,
+         help="prefix worker output lines with [rankN]: (default on)")
+    flag("start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
+         help="accepted for torchrun compatibility (workers are always new processes)")
+    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
+    flag("no-python", action="store_true", help="SCRIPT is an executable, not a Python file")
+    p.add_argument("script", metavar="SCRIPT", nargs="?", help="the program every worker runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        pair = (int(lo), int(hi) if sep else int(lo))
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise UsageError(f"--nnodes {text!r}: expected 1 <= MIN <= MAX")
+    return pair
+
+
+def _nproc(text: str) -> int:
+    if text in ("auto", "cpu"):
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:
+            return os.cpu_count() or 1
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"--nproc-per-node {text!r}: expected a number >= 1 or auto") from None
+    if n < 1:
+        raise UsageError(f"--nproc-per-node {n}: expected a number >= 1 (or auto)")
+    return n
+
+
+def _conf(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("join_timeout", "last_call_timeout", "read_timeout",
+                                  "close_timeout", "timeout", "is_host"):
+            raise UsageError(f"--rdzv-conf {item!r}: expected join_timeout=S or last_call_timeout=S")
+        if key in ("join_timeout", "last_call_timeout"):
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise UsageError(f"--rdzv-conf {item!r}: {value!r} is not a number") from None
+    return out
+
+
+def _resolve(host: str, flag: str) -> None:
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"{flag} {host!r} does not resolve ({e.args[-1]})") from None
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    script, rest = args.script, list(args.script_args)
+    if script is None:
+        raise UsageError("no program given: distcomm run [flags] SCRIPT [args...]")
+    if args.module and args.no_python:
+        raise UsageError("-m and --no-python cannot be combined")
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise UsageError(f"program {script!r} not found (or not executable)")
+        return [script, *rest]
+    if args.module:
+        top = script.split(".")[0]
+        if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None \
+                and top not in sys.builtin_module_names:
+            raise UsageError(f"no module named {top!r} (for -m {script})")
+        return [sys.executable, "-u", "-m", script, *rest]
+    if not os.path.isfile(script):
+        raise UsageError(f"script {script!r} not found")
+    return [sys.executable, "-u", script, *rest]
+
+
+def _port(value: int | None, flag: str) -> None:
+    if value is not None and not 0 <= value <= 65535:
+        raise UsageError(f"{flag} {value}: expected a port in [0, 65535]")
+
+
+def to_config(args: argparse.Namespace) -> RunConfig:
+    """Check the parsed flags; raise :class:`UsageError` naming the first problem."""
+    argv = _command(args)
+    nproc = _nproc(str(args.nproc_per_node))
+    nnodes = _nnodes(str(args.nnodes))
+    conf = _conf(args.rdzv_conf)
+    _port(args.master_port, "--master-port")
+    for name in ("max_restarts",):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+    for name in ("monitor_interval", "shutdown_timeout"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    if args.rdzv_backend not in (None, "c10d", "static", "distcomm"):
+        raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: distcomm supports c10d and static")
+    try:
+        tee = parse_std_spec(args.tee, "--tee")
+        redirects = parse_std_spec(args.redirects, "--redirects")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        ranks_filter = {int(r) for r in args.local_ranks_filter.split(",")} \
+            if args.local_ranks_filter else None
+    except ValueError:
+        raise UsageError(f"--local-ranks-filter {args.local_ranks_filter!r}: expected 0,1,...") from None
+    node_rank: int | None = args.node_rank if args.node_rank is not None else 0
+    host_store = "no"
+    if args.standalone:
+        if nnodes != (1, 1):
+            raise UsageError(f"--standalone runs one node; got --nnodes {args.nnodes}")
+        host, port, host_store, node_rank = "127.0.0.1", args.master_port or 0, "yes", 0
+    elif args.rdzv_endpoint and args.rdzv_backend != "static":
+        host, _, port_text = args.rdzv_endpoint.rpartition(":")
+        host = host.strip("[]")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT") from None
+        _port(port, "--rdzv-endpoint port")
+        if not host or port == 0:
+            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT")
+        _resolve(host, "--rdzv-endpoint host")
+        host_store, node_rank = ("try" if _is_local(host) else "no"), None
+    else:
+        if nnodes[0] != nnodes[1]:
+            raise UsageError(f"--nnodes {args.nnodes} (elastic) needs --rdzv-endpoint HOST:PORT")
+        if not 0 <= node_rank < nnodes[0]:
+            raise UsageError(f"--node-rank {node_rank}: expected 0..{nnodes[0] - 1} for --nnodes {nnodes[0]}")
+        host = args.master_addr
+        _resolve(host, "--master-addr")
+        if nnodes[0] == 1 and args.master_port is None:
+            port = 0  # one node: a free port, as --standalone
+        else:
+            port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+            if port == 0:
+                raise UsageError("--master-port 0 needs a single node (other nodes must know it)")
+        host_store = "yes" if node_rank == 0 else "no"
+    return RunConfig(
+        argv=argv, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+        store_host=host, store_port=port, host_store=host_store,
+        rdzv_id=args.rdzv_id or "default",
+        max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
+        shutdown_timeout=args.shutdown_timeout,
+        join_timeout=conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT),
+        last_call=conf.get("last_call_timeout", DEFAULT_LAST_CALL),
+        role=args.role, prefix=args.rank_prefix, log_dir=args.log_dir,
+        tee=tee, redirects=redirects, ranks_filter=ranks_filter,
+    )
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (it can be bound)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False

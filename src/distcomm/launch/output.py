@@ -1,0 +1,92 @@
+"""Worker output: prefixed lines on the console, log files, and a tail for error reports.
+
+Each stream of each worker (stdout, stderr) has a :class:`StreamSink`.  The
+launcher feeds it whatever it read from the pipe; complete lines go to the
+console with the ``[rankN]:`` prefix (or raw, unprefixed), and raw to the log
+file when teeing or redirecting.  The last lines are kept for the failure report.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import BinaryIO
+
+__all__ = ["StreamSink", "parse_std_spec"]
+
+#: Lines of a worker's stderr kept for the failure report.
+TAIL_LINES = 15
+#: A line longer than this is written out without waiting for its end.
+MAX_LINE = 64 * 1024
+
+
+class StreamSink:
+    """Where one stream of one worker goes."""
+
+    def __init__(self, prefix: bytes, console: BinaryIO | None, log: BinaryIO | None) -> None:
+        self.prefix = prefix
+        self.console = console
+        self.log = log
+        self.partial = b""
+        self.tail: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
+
+    def feed(self, data: bytes) -> None:
+        """Take bytes read from the worker's pipe."""
+        if self.log is not None:
+            self.log.write(data)
+            self.log.flush()
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        if len(self.partial) > MAX_LINE:
+            lines.append(self.partial)
+            self.partial = b""
+        if lines:
+            self.tail.extend(lines)
+            self._show(lines)
+
+    def close(self) -> None:
+        """Flush a last unterminated line and close the log file."""
+        if self.partial:
+            self.tail.append(self.partial)
+            self._show([self.partial])
+            self.partial = b""
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def tail_text(self) -> list[str]:
+        """The last lines seen, decoded."""
+        lines = list(self.tail) + ([self.partial] if self.partial else [])
+        return [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
+
+    def _show(self, lines: list[bytes]) -> None:
+        if self.console is None:
+            return
+        text = b"".join(self.prefix + line + b"\n" for line in lines)
+        try:
+            self.console.write(text)
+            self.console.flush()
+        except (BrokenPipeError, ValueError):  # our own output was closed: keep running
+            self.console = None
+
+
+def parse_std_spec(text: str | None, flag: str) -> dict[int | None, int]:
+    """torchrun's ``-r``/``-t`` value: ``3`` (every local rank) or ``0:1,1:2``.
+
+    Bits: 1 = stdout, 2 = stderr.  Returns ``{local_rank or None: bits}``.
+    """
+    if text is None or text == "":
+        return {}
+    out: dict[int | None, int] = {}
+    try:
+        if ":" not in text:
+            out[None] = int(text)
+        else:
+            for part in text.split(","):
+                rank, _, bits = part.partition(":")
+                out[int(rank)] = int(bits)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected 0-3, or local_rank:bits pairs like 0:1,1:2") from None
+    if any(not 0 <= b <= 3 for b in out.values()):
+        raise ValueError(f"{flag} {text!r}: each value must be 0 (none) to 3 (stdout and stderr)")
+    return out

@@ -1,0 +1,244 @@
+"""Node rendezvous for ``distcomm run``: which launchers form each generation.
+
+Every launcher of a job talks to one TCPStore (hosted by node 0, or by the
+launcher on the ``--rdzv-endpoint`` host).  Keys live under
+``rdzv/<rdzv id>/``:
+
+* ``round``: the number of the current round (a generation of workers).
+* ``r<R>/count``: arrivals in round R; the arrival order is the join index.
+* ``r<R>/node<i>``: what joiner ``i`` brings (JSON: host, nproc, --nnodes, node rank).
+* ``r<R>/closed``: set once, to the number of members, by whoever closes the
+  round: when ``max`` nodes joined, or ``min`` did and no one else arrived
+  within the last-call time.  Joiners at index >= that number were late and
+  move on to the next round.
+* ``r<R>/error``: a configuration mismatch (``--nnodes``, node ranks) seen by
+  any joiner; every joiner fails with it.
+* ``r<R>/failed_seen``: joiners that saw the round fail (the store's host
+  waits for them before leaving).
+* ``r<R>/abort``: a launcher gave up (its worker failed with no restarts left).
+* ``r<R>/done``: launchers whose workers all succeeded (the exit barrier).
+
+Moving ``round`` from R to R+1 (compare-and-set, so concurrent movers agree)
+tells every running launcher to stop its workers and join round R+1: a
+restart after a failure, a new node asking to join, or (with ``abort``) the
+end of the job.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+
+from ..deadline import Deadline
+from ..errors import DistError
+from ..store import Store
+
+__all__ = ["Membership", "NodeRendezvous", "RendezvousFailed"]
+
+#: Seconds between store polls while waiting for a round to close.
+POLL = 0.02
+
+
+class RendezvousFailed(DistError):
+    """The nodes could not form a group (mismatched options, timeout)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One closed round as this node sees it."""
+
+    round: int
+    run_id: str
+    group_rank: int  # this node's rank among the nodes
+    nnodes: int
+    rank_offset: int  # global rank of this node's local rank 0
+    world_size: int
+    hosts: tuple[str, ...]
+
+
+class NodeRendezvous:
+    """This launcher's side of the rendezvous (see the module docstring)."""
+
+    def __init__(
+        self, store: Store, rdzv_id: str, nproc: int, nnodes: tuple[int, int],
+        node_rank: int | None, last_call: float, join_timeout: float, run_id: str,
+    ) -> None:
+        self.store = store
+        self.ns = f"rdzv/{rdzv_id}/"
+        self.min, self.max = nnodes
+        self.info = {
+            "host": socket.gethostname(),
+            "nproc": nproc,
+            "nnodes": f"{self.min}:{self.max}" if self.min != self.max else str(self.min),
+            "node_rank": node_rank,
+        }
+        self.static = node_rank is not None
+        self.last_call = last_call
+        self.join_timeout = join_timeout
+        self.run_id = self._agree(self.ns + "run_id", run_id)
+        self.interrupted = lambda: False  # set by the agent: True aborts waiting
+        self._failed_round: int | None = None
+
+    # -- small store helpers ------------------------------------------------
+    def _k(self, rnd: int, name: str) -> str:
+        return f"{self.ns}r{rnd}/{name}"
+
+    def _agree(self, key: str, proposal: str) -> str:
+        return self.store.compare_set(key, "", proposal).decode()
+
+    def _peek(self, key: str) -> str | None:
+        if self.store.check([key]):
+            return self.store.get(key).decode()
+        return None
+
+    def current_round(self) -> int:
+        """The round the job is in now."""
+        return self.store.add(self.ns + "round", 0)
+
+    def next_round(self, rnd: int) -> None:
+        """Ask everyone in round ``rnd`` to move to ``rnd + 1`` (idempotent)."""
+        self.store.compare_set(self.ns + "round", str(rnd), str(rnd + 1))
+
+    def abort(self, rnd: int, message: str) -> None:
+        """Tell the other launchers this one gave up, and why."""
+        self.store.set(self._k(rnd, "abort"), message)
+        self.next_round(rnd)
+
+    def aborted(self, rnd: int) -> str | None:
+        """The message of a launcher that gave up in round ``rnd``, if one did."""
+        return self._peek(self._k(rnd, "abort"))
+
+    def mark_done(self, rnd: int) -> int:
+        """Count this node's success in round ``rnd``; return how many nodes are done."""
+        return self.store.add(self._k(rnd, "done"), 1)
+
+    def done(self, rnd: int) -> int:
+        return self.store.add(self._k(rnd, "done"), 0)
+
+    # -- joining -------------------------------------------------------------
+    def join(self) -> Membership:
+        """Join the next round that has room; return it once closed."""
+        deadline = Deadline(self.join_timeout)
+        while True:
+            self._check_deadline(deadline)
+            rnd = self.current_round()
+            closed = self._peek(self._k(rnd, "closed"))
+            if closed is not None:  # running: ask for a new round if there is room
+                if int(closed) < self.max:
+                    self.next_round(rnd)
+                else:
+                    time.sleep(POLL * 5)
+                continue
+            index = self.store.add(self._k(rnd, "count"), 1) - 1
+            self.store.set(self._k(rnd, f"node{index}"), json.dumps(self.info))
+            try:
+                members = self._wait_closed(rnd, index, deadline)
+            except RendezvousFailed:
+                self._failed_round = rnd
+                self.store.add(self._k(rnd, "failed_seen"), 1)
+                raise
+            if members is not None:
+                return members
+
+    def linger(self, timeout: float = 5.0) -> None:
+        """After a failed round, wait (briefly) until every joiner has read why.
+
+        The launcher hosting the store calls this before leaving, so the others
+        fail with the same one-line reason rather than with a lost connection.
+        """
+        rnd = self._failed_round
+        if rnd is None:
+            return
+        deadline = Deadline(timeout)
+        while not deadline.expired():
+            seen = self.store.add(self._k(rnd, "failed_seen"), 0)
+            if seen >= self.store.add(self._k(rnd, "count"), 0):
+                return
+            time.sleep(POLL)
+
+    def _check_deadline(self, deadline: Deadline) -> None:
+        if self.interrupted():
+            raise RendezvousFailed("interrupted while waiting for the other nodes")
+        if deadline.expired():
+            raise RendezvousFailed(
+                f"the other nodes did not join within {self.join_timeout:g} s "
+                f"(--nnodes {self.info['nnodes']}; set join_timeout with --rdzv-conf)"
+            )
+
+    def _wait_closed(self, rnd: int, index: int, deadline: Deadline) -> Membership | None:
+        min_reached: float | None = None
+        checked = 0
+        while True:
+            closed = self._peek(self._k(rnd, "closed"))
+            if closed is not None:
+                n = int(closed)
+                return self._membership(rnd, index, n) if index < n else None
+            error = self._peek(self._k(rnd, "error"))
+            if error is not None:
+                raise RendezvousFailed(error)
+            count = self.store.add(self._k(rnd, "count"), 0)
+            if count > checked:
+                self._check_nodes(rnd, checked, count)
+                checked = count
+            now = time.monotonic()
+            if count >= self.min and min_reached is None:
+                min_reached = now
+            if count >= self.max or (
+                min_reached is not None and now - min_reached >= self.last_call
+            ):
+                self.store.compare_set(self._k(rnd, "closed"), "", str(min(count, self.max)))
+                continue
+            if self.current_round() != rnd:
+                return None
+            self._check_deadline(deadline)
+            time.sleep(POLL)
+
+    def _nodes(self, rnd: int, start: int, stop: int) -> list[dict]:
+        keys = [self._k(rnd, f"node{i}") for i in range(start, stop)]
+        return [json.loads(v) for v in self.store.multi_get(keys)] if keys else []
+
+    def _check_nodes(self, rnd: int, start: int, stop: int) -> None:
+        """Fail the round (for everyone) if a joiner's options disagree with ours."""
+        for i, node in enumerate(self._nodes(rnd, start, stop), start):
+            problem = None
+            if node["nnodes"] != self.info["nnodes"]:
+                problem = (
+                    f"nodes disagree on --nnodes: {node['nnodes']} ({self._who(node, i)}) "
+                    f"and {self.info['nnodes']} ({self._who(self.info, None)})"
+                )
+            elif (node["node_rank"] is None) != (not self.static):
+                problem = "nodes disagree on the rendezvous: some give --rdzv-endpoint, some do not"
+            if problem:
+                self.store.set(self._k(rnd, "error"), problem)
+                raise RendezvousFailed(problem)
+
+    @staticmethod
+    def _who(node: dict, index: int | None) -> str:
+        where = f"node rank {node['node_rank']}" if node["node_rank"] is not None else (
+            f"joiner {index}" if index is not None else "a joiner")
+        return f"{where} on {node['host']}"
+
+    def _membership(self, rnd: int, index: int, n: int) -> Membership:
+        nodes = self._nodes(rnd, 0, n)
+        order = list(range(n))
+        if self.static:
+            ranks = [node["node_rank"] for node in nodes]
+            if sorted(ranks) != list(range(n)):
+                raise RendezvousFailed(
+                    f"node ranks must be 0..{n - 1} once each, got {sorted(ranks)}: "
+                    "check --node-rank on each node"
+                )
+            order.sort(key=lambda i: ranks[i])
+        group_rank = order.index(index)
+        sizes = [nodes[i]["nproc"] for i in order]
+        return Membership(
+            round=rnd,
+            run_id=self.run_id,
+            group_rank=group_rank,
+            nnodes=n,
+            rank_offset=sum(sizes[:group_rank]),
+            world_size=sum(sizes),
+            hosts=tuple(nodes[i]["host"] for i in order),
+        )

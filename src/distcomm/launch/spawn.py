@@ -1,0 +1,238 @@
+"""``distcomm.spawn``: N processes running ``fn(rank, *args)``, as ``torch.multiprocessing.spawn``.
+
+The caller hosts the job's TCPStore on a free local port (so no port is
+guessed and none can collide) and each child gets ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+``DISTCOMM_USE_AGENT_STORE``: ``init_process_group()`` needs no arguments.
+A child that raises sends its traceback to the caller through a pipe and
+exits 1; the caller then stops the others (SIGTERM, SIGKILL after a grace
+period) and raises :class:`ProcessRaisedException` naming the rank, with the
+child's traceback; a child that dies (signal, ``os._exit``) gives
+:class:`ProcessExitedException`.  Children die with the caller (Linux's
+parent-death signal).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import DistError, DistInputError, DistTypeError
+
+__all__ = ["spawn", "ProcessContext", "ProcessException", "ProcessRaisedException",
+           "ProcessExitedException"]
+
+#: Seconds between SIGTERM and SIGKILL for children stopped after a failure.
+GRACE_PERIOD = 2.0
+#: Variables of an enclosing launcher that must not reach the children.
+_DROPPED = ("TORCHELASTIC_USE_AGENT_STORE", "DISTCOMM_STORE_PORT")
+
+
+class ProcessException(DistError):
+    """A spawned process failed.  Facts: ``error_index`` (= ``rank``), ``pid``."""
+
+    error_index: Any = None
+    pid: Any = None
+
+
+class ProcessRaisedException(ProcessException):
+    """A spawned process raised; the message holds its traceback."""
+
+
+class ProcessExitedException(ProcessException):
+    """A spawned process exited non-zero or was killed.  Facts: ``exit_code``, ``signal_name``."""
+
+    exit_code: Any = None
+    signal_name: Any = None
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: best effort
+        pass
+
+
+def _child(fn: Callable, i: int, args: tuple, env: dict[str, str], conn: Any) -> None:
+    _die_with_parent()
+    for name in _DROPPED:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    try:
+        fn(i, *args)
+    except KeyboardInterrupt:
+        pass  # the caller is stopping us
+    except Exception:
+        conn.send(traceback.format_exc())
+        conn.close()
+        sys.exit(1)
+
+
+class ProcessContext:
+    """The processes of one :func:`spawn` call; :meth:`join` waits and reports failures."""
+
+    def __init__(self, processes: list, readers: list, store: Any) -> None:
+        self.processes = processes
+        self._readers = readers
+        self._store = store
+        self._sentinels = {p.sentinel: i for i, p in enumerate(processes)}
+        self._closed = False
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        """Wait up to ``timeout`` for a process to end.
+
+        Returns True once every process ended successfully, False if some are
+        still running; raises :class:`ProcessException` (after stopping the
+        others) when one failed.
+        """
+        from multiprocessing import connection
+
+        if not self._sentinels:
+            self._close()
+            return True
+        failed = None
+        for sentinel in connection.wait(list(self._sentinels), timeout=timeout):
+            i = self._sentinels.pop(sentinel)
+            self.processes[i].join()
+            if self.processes[i].exitcode != 0:
+                failed = i
+                break
+        if failed is None:
+            if self._sentinels:
+                return False
+            self._close()
+            return True
+        self._stop(GRACE_PERIOD if grace_period is None else grace_period)
+        error = self._error(failed)
+        self._close()
+        raise error
+
+    def _stop(self, grace: float) -> None:
+        from multiprocessing import connection
+
+        alive = [p for p in self.processes if p.exitcode is None]
+        for p in alive:
+            p.terminate()
+        connection.wait([p.sentinel for p in alive], timeout=grace)
+        for p in alive:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+        self._sentinels.clear()
+
+    def _error(self, i: int) -> ProcessException:
+        p, reader = self.processes[i], self._readers[i]
+        n = len(self.processes)
+        text = None
+        try:
+            if reader.poll():
+                text = reader.recv()
+        except (EOFError, OSError):
+            text = None
+        if text is not None:
+            last = text.rstrip().splitlines()[-1] if text.strip() else "an exception"
+            return ProcessRaisedException(
+                f"process {i} of {n} (pid {p.pid}) raised {last}\n\n"
+                f"-- traceback of process {i}:\n{text.rstrip()}",
+                rank=i, error_index=i, pid=p.pid,
+            )
+        code = p.exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return ProcessExitedException(
+                f"process {i} of {n} (pid {p.pid}) was killed by {name}",
+                rank=i, error_index=i, pid=p.pid, exit_code=code, signal_name=name,
+            )
+        return ProcessExitedException(
+            f"process {i} of {n} (pid {p.pid}) exited with code {code}",
+            rank=i, error_index=i, pid=p.pid, exit_code=code, signal_name=None,
+        )
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for p in self.processes:
+            p.join()
+            p.close()
+        for reader in self._readers:
+            reader.close()
+        self._store.close()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> ProcessContext | None:
+    """Run ``fn(i, *args)`` in ``nprocs`` new processes, ``i`` = 0 .. nprocs-1.
+
+    With ``join`` (default) wait for all of them and return None, raising
+    :class:`ProcessRaisedException` / :class:`ProcessExitedException` if one
+    fails; otherwise return a :class:`ProcessContext` to ``join()`` later.
+    ``fn`` must be picklable (a module-level function) for ``"spawn"`` and
+    ``"forkserver"``.  Children die with the thread that started them (Linux
+    ties the parent-death signal to it): call ``spawn`` from one that outlives them.
+    """
+    import multiprocessing
+
+    from ..store import TCPStore
+
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise DistInputError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    if not callable(fn):
+        raise DistTypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, tuple):
+        raise DistTypeError(f"args must be a tuple, got {type(args).__name__}")
+    ctx = multiprocessing.get_context(start_method)
+    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    processes, readers = [], []
+    try:
+        common = {
+            "WORLD_SIZE": nprocs, "LOCAL_WORLD_SIZE": nprocs, "GROUP_RANK": 0,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": store.port,
+            "DISTCOMM_USE_AGENT_STORE": 1, "DISTCOMM_STORE_PREFIX": f"spawn/{uuid.uuid4().hex[:12]}",
+        }
+        for i in range(nprocs):
+            env = {k: str(v) for k, v in {**common, "RANK": i, "LOCAL_RANK": i}.items()}
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(fn, i, args, env, writer), daemon=daemon)
+            p.start()
+            writer.close()
+            processes.append(p)
+            readers.append(reader)
+    except BaseException:
+        for p in processes:
+            p.kill()
+            p.join()
+        for r in readers:
+            r.close()
+        store.close()
+        raise
+    context = ProcessContext(processes, readers, store)
+    if not join:
+        return context
+    try:
+        while not context.join():
+            pass
+    except KeyboardInterrupt:
+        context._stop(GRACE_PERIOD)
+        context._close()
+        raise
+    return None

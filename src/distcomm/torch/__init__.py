@@ -1,0 +1,113 @@
+"""distcomm as a backend of ``torch.distributed``.
+
+::
+
+    import torch.distributed as dist
+    import distcomm.torch  # registers backend "distcomm"
+
+    dist.init_process_group("distcomm")        # env://, tcp://, a store: as with "gloo"
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+``torch.distributed`` keeps doing the rendezvous (its store, its
+``init_method``); the groups underneath are distcomm's, built from torch's
+store: backend ``auto`` by default (shared memory on one machine, shared
+memory + TCP across machines), or the one named by ``DISTCOMM_TORCH_BACKEND``
+(``shm``, ``tcp``, ``mpi``, ...).  Every ``torch.distributed`` collective and
+point-to-point call on CPU tensors runs on it, DDP included; tensors on
+another device are refused with an error naming it (use
+``"cpu:distcomm,cuda:nccl"`` for a mixed job).  ``DISTCOMM_DEBUG`` and
+distcomm's other environment settings apply as with distcomm's own API.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch.distributed as tdist
+
+from ..backend_registry import resolve_backend
+from ..group import ProcessGroup
+from ._group import BACKEND_NAME, SUPPORTED_DEVICES, DistcommProcessGroup
+from ._store import TorchStore
+
+__all__ = ["BACKEND_NAME", "DistcommProcessGroup", "TorchStore", "register"]
+
+
+class _World:
+    """The distcomm world behind torch's default group: its group and shared resources."""
+
+    def __init__(self, backend: str, pg: ProcessGroup, resources: list[Any]) -> None:
+        self.backend = backend
+        self.pg = pg
+        self.resources = resources
+
+
+_world: _World | None = None
+_lock = threading.Lock()
+
+
+def _seconds(timeout: Any) -> float:
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return seconds if seconds > 0 else 1800.0
+
+
+def _close_world(world: _World) -> None:
+    global _world
+    with _lock:
+        if _world is world:
+            _world = None
+    for r in world.resources[::-1]:
+        try:
+            r.close()
+        except Exception:  # noqa: BLE001 - teardown goes on
+            pass
+
+
+class _Holder:
+    """What a backend factory's ``world=`` argument needs: a list of resources to close."""
+
+    def __init__(self) -> None:
+        self.resources: list[Any] = []
+
+
+def _create(opts: Any, backend_options: Any = None) -> DistcommProcessGroup:
+    """torch's creator (``extended_api=True``): a torch group on a new distcomm group."""
+    global _world
+    rank, size = int(opts.group_rank), int(opts.group_size)
+    timeout = _seconds(opts.timeout)
+    store = TorchStore(opts.store, timeout)
+    ranks = list(opts.global_ranks_in_group or [])
+    name = f"torch:{opts.group_id}"
+    with _lock:
+        world = _world
+    if world is None or not ranks:  # the default group
+        backend, factory = resolve_backend(os.environ.get("DISTCOMM_TORCH_BACKEND") or None, "auto")
+        holder = _Holder()
+        try:
+            pg = factory.world(store, rank, size, timeout, world=holder)
+        except BaseException:
+            for r in holder.resources[::-1]:
+                r.close()
+            raise
+        pg.group_name = name
+        new_world = _World(backend, pg, holder.resources)
+        with _lock:
+            _world = new_world
+        return DistcommProcessGroup(pg, on_shutdown=lambda: _close_world(new_world))
+    _, factory = resolve_backend(world.backend, "auto")
+    pg = factory.subgroup(world.pg, store, ranks, rank, name, timeout)
+    pg.group_name = name
+    pg.ranks = ranks
+    return DistcommProcessGroup(pg)
+
+
+def register() -> None:
+    """Register backend ``distcomm`` with torch.distributed (done on import; idempotent)."""
+    if BACKEND_NAME.upper() in getattr(tdist.Backend, "_plugins", {}):
+        return
+    tdist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=list(SUPPORTED_DEVICES))
+
+
+register()

@@ -1,0 +1,478 @@
+"""MPI underneath distcomm: loading mpi4py, waiting on requests, and a :class:`Channel` over MPI.
+
+:func:`runtime` imports mpi4py on first use (never at ``import distcomm``),
+checks that an MPI launcher started this process, and initialises MPI once
+with mpi4py's settings (``mpi4py.rc``): by default with
+``MPI_THREAD_MULTIPLE``, finalised by mpi4py at interpreter exit, after
+distcomm's own teardown.  If MPI gives less than ``MPI_THREAD_MULTIPLE``,
+every MPI call distcomm makes is serialised by one lock (nothing distcomm
+calls blocks inside MPI, so the lock is never held while waiting).
+
+Every wait is a loop over ``MPI_Test`` (:func:`wait_request`): it spins
+briefly, then yields the CPU between tests, checks the caller's
+:class:`~distcomm.deadline.Deadline`, and gives up as soon as the group is
+aborted or destroyed.  MPI cannot cancel a collective that has started, so a
+request given up on is kept alive (with its buffers) until the process exits.
+
+:class:`MpiChannel` maps distcomm's point-to-point contract onto one
+communicator.  Receives are matched in the order they were posted with
+``MPI_Improbe`` and then received with ``MPI_Imrecv`` straight into the
+caller's buffer, so a message of the wrong size is refused naming both sizes
+(not truncated), and a receive nobody sends to can be dropped on destroy.
+User tags up to half of ``MPI_TAG_UB`` are MPI tags as they are; larger ones
+(distcomm allows up to 2**62 - 1) are hashed into the upper half and their
+messages carry the full tag in an 8-byte header, checked on receipt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ..deadline import Deadline
+from ..errors import DistBackendError, DistInputError, DistTimeoutError
+from .base import Channel, Request
+
+__all__ = [
+    "INSTALL_HINT",
+    "LAUNCH_HINT",
+    "MpiChannel",
+    "MpiRuntime",
+    "launched_by_mpi",
+    "mpi_error",
+    "runtime",
+    "unavailable_reason",
+    "wait_request",
+]
+
+INSTALL_HINT = "pip install 'distcomm[mpi]' (mpi4py and Open MPI from the package index)"
+LAUNCH_HINT = "run it under an MPI launcher: mpirun -n N python script.py (or mpiexec, or srun)"
+
+#: Variables an MPI launcher (Open MPI, MPICH/Hydra, Intel MPI, MVAPICH, PMIx, Slurm's PMI, Cray)
+#: puts in the environment of the processes it starts.
+LAUNCH_VARIABLES = (
+    "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "PMI_FD",
+    "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE", "ALPS_APP_PE", "PALS_RANKID",
+)  # fmt: skip
+
+#: Tests of a request in a tight loop before yielding the CPU between tests.
+SPIN_TESTS = 200
+#: How often (in tests) a wait looks at the clock.
+CLOCK_EVERY = 256
+
+
+def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """Whether an MPI launcher started this process (judged by its environment)."""
+    seen = os.environ if env is None else env
+    return any(v in seen for v in LAUNCH_VARIABLES)
+
+
+def unavailable_reason() -> str | None:
+    """Why backend ``mpi`` cannot be used in this process, or None (does not initialise MPI)."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return f"mpi4py is not installed; {INSTALL_HINT}"
+    mod = sys.modules.get("mpi4py.MPI")
+    if mod is not None and mod.Is_initialized():
+        return None
+    if not launched_by_mpi():
+        return f"this process was not started by an MPI launcher; {LAUNCH_HINT}"
+    return None
+
+
+class MpiRuntime:
+    """MPI as this process uses it: the module, a lock if MPI needs one, requests given up on."""
+
+    def __init__(self, MPI: Any) -> None:
+        self.MPI = MPI
+        self.thread_level = MPI.Query_thread()
+        self.multiple = self.thread_level >= MPI.THREAD_MULTIPLE
+        self.lock: Any = contextlib.nullcontext() if self.multiple else threading.RLock()
+        self.orphans: list[Any] = []  # requests MPI may still complete: kept with their buffers
+        self._world: Any = None
+        #: The largest tag MPI allows (an attribute of MPI_COMM_WORLD only; the standard's minimum if absent).
+        self.tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+        self._mu = threading.Lock()
+
+    def world(self) -> Any:
+        """This process's private duplicate of ``MPI_COMM_WORLD`` (made once, collectively)."""
+        with self._mu:
+            if self._world is None:
+                with self.lock:
+                    comm = self.MPI.COMM_WORLD.Dup()
+                    comm.Set_errhandler(self.MPI.ERRORS_RETURN)
+                    comm.Set_name("distcomm")
+                self._world = comm
+            return self._world
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` under the lock, MPI errors raised as :class:`DistBackendError`."""
+        try:
+            with self.lock:
+                return fn(*args)
+        except self.MPI.Exception as e:
+            raise mpi_error(what, e) from None
+
+    def orphan(self, req: Any) -> None:
+        if req is not None and req != self.MPI.REQUEST_NULL:
+            self.orphans.append(req)
+
+
+_runtime: MpiRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> MpiRuntime:
+    """Import mpi4py and initialise MPI (once), or raise a one-line error saying what is missing."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is not None:
+            return _runtime
+        try:
+            import mpi4py
+        except ImportError:
+            raise DistBackendError(f"backend 'mpi' needs mpi4py and an MPI library: {INSTALL_HINT}") from None
+        already = sys.modules.get("mpi4py.MPI")
+        if not (already is not None and already.Is_initialized()) and not launched_by_mpi():
+            raise DistBackendError(
+                f"backend 'mpi' found no MPI job around this process (none of {', '.join(LAUNCH_VARIABLES[:3])}, "
+                f"... is set); {LAUNCH_HINT}"
+            )
+        try:
+            from mpi4py import MPI  # initialises MPI unless mpi4py.rc.initialize is False
+        except ImportError as e:
+            raise DistBackendError(
+                f"backend 'mpi': mpi4py is installed but cannot load an MPI library ({e}); {INSTALL_HINT}"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - MPI_Init failures come in many types
+            raise DistBackendError(f"backend 'mpi': MPI could not be initialised: {e}") from None
+        if MPI.Is_finalized():
+            raise DistBackendError("backend 'mpi': MPI was already finalised in this process; "
+                                   "it cannot be initialised again")
+        if not MPI.Is_initialized():  # mpi4py.rc.initialize = False: distcomm initialises and finalises
+            level = getattr(MPI, f"THREAD_{str(mpi4py.rc.thread_level).upper()}", MPI.THREAD_MULTIPLE)
+            try:
+                MPI.Init_thread(level)
+            except MPI.Exception as e:
+                raise mpi_error("MPI_Init_thread", e) from None
+            _finalize_at_exit(MPI)
+        _runtime = MpiRuntime(MPI)
+        return _runtime
+
+
+def _finalize_at_exit(MPI: Any) -> None:
+    import atexit
+
+    def finalize() -> None:  # registered after api's teardown, so it runs before it: tear down first
+        try:
+            from .. import api
+
+            api.destroy_process_group()
+        except Exception:  # noqa: BLE001 - never fail interpreter exit
+            pass
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+
+    atexit.register(finalize)
+
+
+def mpi_error(what: str, e: Any, **facts: Any) -> DistBackendError:
+    """A one-line :class:`DistBackendError` carrying MPI's own message."""
+    try:
+        text = e.Get_error_string()
+    except Exception:  # noqa: BLE001 - an MPI exception without a code
+        text = str(e)
+    text = " ".join(str(text).split())
+    return DistBackendError(f"{what} failed in MPI: {text}", **facts)
+
+
+def wait_request(rt: MpiRuntime, req: Any, deadline: Deadline, failed: Callable[[], BaseException | None],
+                 what: Callable[[], str], status: Any = None) -> None:
+    """Test ``req`` until it completes; raise ``failed()`` once it is not None, or a timeout."""
+    test = req.Test
+    MPI = rt.MPI
+    lock = rt.lock
+    n = 0
+    try:
+        while True:
+            if rt.multiple:
+                if test(status):
+                    return
+            else:
+                with lock:
+                    if test(status):
+                        return
+            n += 1
+            cause = failed()
+            if cause is not None:
+                raise cause
+            if n >= SPIN_TESTS:
+                os.sched_yield()
+                if n % CLOCK_EVERY == 0 and deadline.expired():
+                    raise DistTimeoutError(f"{what()} did not complete within {deadline.seconds:g} s",
+                                           timeout=deadline.seconds)
+    except MPI.Exception as e:
+        raise mpi_error(what(), e) from None
+
+
+# -- point to point ---------------------------------------------------------------------------
+
+_HEADER = 8  # bytes of the full tag in front of a message whose tag was hashed
+
+
+class _MpiRequest(Request):
+    def __init__(self, channel: MpiChannel, peer: int | None, op: str) -> None:
+        self.channel = channel
+        self.peer = peer
+        self.op = op
+        self.req: Any = None  # the MPI request once there is one
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def _failed(self) -> BaseException | None:
+        return self.error or self.channel._failed
+
+    def _what(self) -> str:
+        who = "any rank" if self.peer is None else self.channel.describe(self.peer)
+        return f"{self.op} {'from' if self.op == 'recv' else 'to'} {who}"
+
+    def done(self) -> bool:
+        if self.finished or self.error is not None:
+            return True
+        try:
+            return self._poll()
+        except BaseException:  # noqa: BLE001 - reported by wait()
+            return True
+
+    def _poll(self) -> bool:
+        if self.req is None:
+            return False
+        with self.channel.rt.lock:
+            if self.req.Test():
+                self._complete()
+        return self.finished
+
+    def _complete(self) -> None:
+        self.finished = True
+
+    def _fail(self, cause: BaseException) -> None:
+        if not self.finished and self.error is None:
+            self.error = cause
+            self.channel.rt.orphan(self.req)
+
+
+class _Send(_MpiRequest):
+    def wait(self, deadline: Deadline) -> None:
+        if not self.finished:
+            cause = self._failed()
+            if cause is not None:
+                raise cause
+            wait_request(self.channel.rt, self.req, deadline, self._failed, self._what)
+            self.finished = True
+
+
+class _Recv(_MpiRequest):
+    def __init__(self, channel: MpiChannel, src: int | None, tag: int, mpi_tag: int, hashed: bool,
+                 out: memoryview) -> None:
+        super().__init__(channel, src, "recv")
+        self.tag = tag
+        self.mpi_tag = mpi_tag
+        self.hashed = hashed
+        self.out = out
+        self.temp: bytearray | None = None
+        self.source: int | None = None
+
+    def _match(self, msg: Any, status: Any) -> None:
+        """Called under the channel lock once MPI matched a message for this receive."""
+        MPI = self.channel.rt.MPI
+        src = status.Get_source()
+        n = status.Get_count(MPI.BYTE)
+        want = len(self.out) + (_HEADER if self.hashed else 0)
+        self.peer = self.source = src
+        if n != want:
+            self.channel.rt.orphan(msg.Irecv([bytearray(max(n, 1)), n, MPI.BYTE]))  # take it out of MPI
+            sent, expected = n - (_HEADER if self.hashed else 0), len(self.out)
+            self.error = DistBackendError(
+                f"{self.channel.describe(src)} sent {sent} bytes but {expected} were expected "
+                f"(tag {self.tag}); the receive buffer must have the message's size",
+                rank=self.channel.rank, peer=src, op="recv",
+            )
+            return
+        if self.hashed:
+            self.temp = bytearray(n)
+            self.req = msg.Irecv([self.temp, MPI.BYTE])
+        else:
+            self.req = msg.Irecv([self.out, MPI.BYTE])
+
+    def _complete(self) -> None:
+        if self.temp is not None:
+            tag = int.from_bytes(self.temp[:_HEADER], "little")
+            if tag != self.tag:
+                self.error = DistBackendError(
+                    f"{self.channel.describe(self.source or 0)} sent a message with tag {tag} that MPI matched "
+                    f"to a receive with tag {self.tag} (both hash to MPI tag {self.mpi_tag}); "
+                    f"use tags up to {self.channel.direct_tags} with backend 'mpi'",
+                    rank=self.channel.rank, peer=self.source, op="recv",
+                )
+            else:
+                self.out[:] = memoryview(self.temp)[_HEADER:]
+            self.temp = None
+        self.finished = True
+
+    def _poll(self) -> bool:
+        if self.req is None:
+            self.channel._progress()
+            if self.req is None:
+                return self.error is not None
+        return super()._poll()
+
+    def wait(self, deadline: Deadline) -> None:
+        n = 0
+        while self.req is None:  # not matched yet: look for its message
+            cause = self._failed()
+            if cause is not None:
+                raise cause
+            self.channel._progress()
+            if self.error is not None:
+                raise self.error
+            if self.req is not None:
+                break
+            n += 1
+            if n >= SPIN_TESTS:
+                os.sched_yield()
+                if n % CLOCK_EVERY == 0 and deadline.expired():
+                    raise DistTimeoutError(f"{self._what()} did not complete within {deadline.seconds:g} s",
+                                           timeout=deadline.seconds, peer=self.peer)
+        if not self.finished:
+            wait_request(self.channel.rt, self.req, deadline, self._failed, self._what)
+            self._complete()
+        if self.error is not None:
+            raise self.error
+
+
+class MpiChannel(Channel):
+    """Point-to-point messages over one MPI communicator (see the module docstring)."""
+
+    def __init__(self, rt: MpiRuntime, comm: Any, describe: Callable[[int], str] | None = None) -> None:
+        self.rt = rt
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.describe = describe or (lambda r: f"rank {r}")
+        tag_ub = rt.tag_ub
+        self.direct_tags = tag_ub // 2
+        self._hashed_span = tag_ub - self.direct_tags
+        self._mu = threading.Lock()
+        self._unmatched: list[_Recv] = []
+        self._live: list[_MpiRequest] = []
+        self._failed: BaseException | None = None
+        self._status = rt.MPI.Status()
+
+    def _mpi_tag(self, tag: int) -> tuple[int, bool]:
+        if tag <= self.direct_tags:
+            return tag, False
+        h = int.from_bytes(hashlib.blake2b(tag.to_bytes(8, "little"), digest_size=8).digest(), "little")
+        return self.direct_tags + 1 + h % self._hashed_span, True
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise DistInputError(f"{what} rank must be another rank in [0, {self.size}), got {peer!r}",
+                                 rank=self.rank, peer=peer)
+
+    def isend(self, dst: int, tag: int, data: memoryview) -> Request:
+        self._check_peer(dst, "destination")
+        mpi_tag, hashed = self._mpi_tag(tag)
+        buf: Any = data
+        if hashed:
+            framed = bytearray(_HEADER + len(data))
+            framed[:_HEADER] = tag.to_bytes(_HEADER, "little")
+            framed[_HEADER:] = data
+            buf = framed
+        req = _Send(self, dst, "send")
+        with self._mu:
+            if self._failed is not None:
+                raise self._failed
+            req.req = self.rt.call(f"MPI_Isend to {self.describe(dst)}", self.comm.Isend,
+                                   [buf, self.rt.MPI.BYTE], dst, mpi_tag)
+            self._track(req)
+        return req
+
+    def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
+        if src is not None:
+            self._check_peer(src, "source")
+        mpi_tag, hashed = self._mpi_tag(tag)
+        req = _Recv(self, src, tag, mpi_tag, hashed, out)
+        with self._mu:
+            if self._failed is not None:
+                raise self._failed
+            self._unmatched.append(req)
+            self._track(req)
+            self._match_locked()
+        return req
+
+    def _track(self, req: _MpiRequest) -> None:
+        if len(self._live) > 64:
+            self._live = [r for r in self._live if not (r.finished or r.error is not None)]
+        self._live.append(req)
+
+    def _progress(self) -> None:
+        with self._mu:
+            if self._failed is None:
+                self._match_locked()
+
+    def _match_locked(self) -> None:
+        """Give each unmatched receive, in posting order, the next message MPI has for it."""
+        if not self._unmatched:
+            return
+        MPI = self.rt.MPI
+        status = self._status
+        still = []
+        for r in self._unmatched:
+            src = MPI.ANY_SOURCE if r.peer is None else r.peer
+            msg = self.rt.call(f"MPI_Improbe for a receive from {self.describe(src) if src >= 0 else 'any rank'}",
+                               self.comm.Improbe, src, r.mpi_tag, status)
+            if msg is None:
+                still.append(r)
+            else:
+                with self.rt.lock:
+                    try:
+                        r._match(msg, status)
+                    except MPI.Exception as e:
+                        r.error = mpi_error("MPI_Imrecv", e, rank=self.rank, peer=r.peer)
+        self._unmatched = still
+
+    def _fail_pending(self, cause: BaseException) -> None:
+        with self._mu:
+            pending, self._live, self._unmatched = self._live, [], []
+        for r in pending:
+            r._fail(cause)
+
+    def cancel(self, cause: BaseException) -> None:
+        self._fail_pending(cause)
+
+    def abort(self, cause: BaseException) -> None:
+        with self._mu:
+            if self._failed is None:
+                self._failed = cause
+        self._fail_pending(cause)
+
+    def close(self) -> None:
+        with self._mu:
+            if self._failed is None:
+                self._failed = DistBackendError("the MPI channel was closed")
+        self._fail_pending(self._failed)
+
+
+@contextlib.contextmanager
+def mpi_calls(rt: MpiRuntime, what: str) -> Iterator[None]:
+    """MPI exceptions inside the block become :class:`DistBackendError` naming ``what``."""
+    try:
+        yield
+    except rt.MPI.Exception as e:
+        raise mpi_error(what, e) from None

@@ -1,0 +1,195 @@
+"""The flight recorder: the ring, dumps (failure, SIGUSR1, on request) and ``distcomm trace analyze``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+from collective_cases import BACKENDS, init, run_world
+
+import distcomm as dist
+from distcomm.cli import main as cli_main
+from distcomm.debug import flight_recorder, recorder
+from distcomm.debug.analyze import analyze
+
+SHORT = 1.0  # timeout of the group that gets stuck
+
+
+def run_stuck_then_desync(rank: int, world_size: int, backend: str, port: int, desync_dir: str) -> dict:
+    """Group A: rank 1 never enters the third all_reduce; the others time out and dump,
+    rank 1 dumps on SIGUSR1.  Group B: rank 1 calls broadcast where the others call
+    all_reduce; every rank dumps on request into ``desync_dir``."""
+    init(rank, world_size, backend, port, timeout=30)
+    out: dict = {"pid": os.getpid()}
+    try:
+        a = dist.new_group(timeout=SHORT)
+        b = dist.new_group(timeout=SHORT)
+        dist.barrier(a)
+        for _ in range(2):
+            dist.all_reduce(np.ones(6, np.float32), group=a)
+        if rank == 1:  # alive, elsewhere: "stuck" in user code (then in the barrier below)
+            os.kill(os.getpid(), signal.SIGUSR1)  # what a user would send it
+        else:
+            try:
+                dist.all_reduce(np.ones(6, np.float32), group=a)
+            except dist.DistError as e:
+                out["error"] = str(e)
+        dist.barrier()
+        os.environ[flight_recorder.ENV_ON_FAILURE] = "0"
+        try:
+            if rank == 1:
+                dist.broadcast(np.ones(4, np.int32), src=0, group=b)
+            else:
+                dist.all_reduce(np.ones(4, np.int32), group=b)
+        except dist.DistError:
+            pass
+        out["dump"] = dist.dump_flight_recorder(desync_dir)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stuck_rank_and_order_mismatch_are_explained(backend, tmp_path):
+    stuck_dir, desync_dir = tmp_path / "stuck", tmp_path / "desync"
+    env = {flight_recorder.ENV_DIR: str(stuck_dir)}
+    results = run_world(run_stuck_then_desync, 3, backend, str(desync_dir), timeout=75, env=env)
+    for rank in (0, 2):
+        assert "all_reduce (seq 4)" in results[rank]["error"]
+    assert sorted(os.listdir(stuck_dir)) == ["rank0.json", "rank1.json", "rank2.json"]
+    dump1 = json.loads((stuck_dir / "rank1.json").read_text())
+    assert dump1["reason"] == "SIGUSR1" and dump1["pid"] == results[1]["pid"]
+    dump0 = json.loads((stuck_dir / "rank0.json").read_text())
+    failed = [e for e in dump0["entries"] if e["state"] == "failed"]
+    assert failed and failed[0]["op"] == "all_reduce" and failed[0]["seq"] == 4
+    assert failed[0]["shape"] == [6] and failed[0]["dtype"] == "float32" and failed[0]["reduce_op"] == "SUM"
+    assert failed[0]["started"] <= failed[0]["finished"]
+
+    report = analyze(str(stuck_dir))
+    text = report.text()
+    assert "rank 1 never entered all_reduce (seq 4, shape (6,) float32, SUM)" in text, text
+    assert "which ranks 0, 2 entered" in report.causes[0], text
+    assert "it is at" in text and "test_debug_flight_recorder.py" in text  # rank 1's own line
+
+    report = analyze(str(desync_dir))
+    mismatch = [f for f in report.findings if f["kind"] == "mismatch"]
+    assert mismatch, report.text()
+    assert "all_reduce (seq 1, shape (4,) int32, SUM) on ranks 0, 2 but broadcast (seq 1, shape (4,) int32, " \
+           "root rank 0) on rank 1: the ranks issued collectives in different orders" in mismatch[0]["text"]
+
+
+# -- single process ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1, timeout=10)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(30)
+def test_ring_records_states_shapes_and_peers(world_of_one, tmp_path):
+    recorder.ring.clear()
+    t = np.ones((2, 3), np.float64)
+    w = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    w.wait()
+    dist.broadcast(np.ones(5, np.int8), src=0)
+    entries = list(recorder.ring)
+    assert [e[recorder.F_OP] for e in entries] == ["all_reduce", "broadcast"]
+    assert all(e[recorder.F_STATE] == recorder.COMPLETED for e in entries)
+    assert entries[0][recorder.F_INFO][:2] == ((2, 3), "float64")
+    path = dist.dump_flight_recorder(str(tmp_path))
+    assert path == str(tmp_path / "rank0.json")
+    d = json.loads(open(path).read())
+    assert d["rank"] == 0 and d["world_size"] == 1 and d["reason"].startswith("dump_flight_recorder")
+    assert [e["op"] for e in d["entries"]] == ["all_reduce", "broadcast"]
+    assert d["entries"][0]["shape"] == [2, 3] and d["entries"][0]["reduce_op"] == "MAX"
+    assert d["entries"][1]["root"] == 0 and d["groups"][0]["ranks"] == [0]
+    assert any(name.startswith("MainThread") for name in d["stacks"])
+
+
+def test_ring_size_from_environment(monkeypatch):
+    try:
+        monkeypatch.setenv(recorder.ENV_SIZE, "3")
+        recorder.configure()
+        assert recorder.ring.maxlen == 3
+        monkeypatch.setenv(recorder.ENV_SIZE, "0")
+        recorder.configure()
+        assert recorder.ring is None
+    finally:
+        monkeypatch.delenv(recorder.ENV_SIZE)
+        recorder.configure()
+    assert recorder.ring.maxlen == recorder.DEFAULT_SIZE
+
+
+def test_signal_handler_left_alone_when_the_program_has_one():
+    def mine(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        assert flight_recorder.install_signal_handler() is False
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        flight_recorder.remove_signal_handler()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+# -- analysis of hand-made dumps -----------------------------------------------------------------
+
+
+def _dump(directory, rank, entries, world_size=3, reason="test"):
+    d = {"version": 1, "rank": rank, "world_size": world_size, "pid": 100 + rank, "host": "h",
+         "time": 1000.0, "reason": reason,
+         "groups": [{"name": "g", "backend": "tcp", "ranks": list(range(world_size)), "rank": rank,
+                     "size": world_size}],
+         "entries": entries, "stacks": {}}
+    (directory / f"rank{rank}.json").write_text(json.dumps(d))
+
+
+def _e(seq, op, state, **kw):
+    return {"group": "g", "seq": seq, "op": op, "state": state, "scheduled": 990.0, "started": 990.0,
+            "finished": None if state in ("started", "scheduled") else 991.0, **kw}
+
+
+def test_analysis_of_a_missing_dump_and_pending_p2p(tmp_path):
+    ok = _e(1, "barrier", "completed")
+    _dump(tmp_path, 0, [ok, _e(2, "all_reduce", "failed", error="DistTimeoutError: timed out"),
+                        {**_e(None, "recv", "started"), "peer": 2, "tag": 7}])
+    _dump(tmp_path, 1, [ok, _e(2, "all_reduce", "started")])
+    report = analyze(str(tmp_path))
+    text = report.text()
+    assert report.missing == [2]
+    assert "rank 2 wrote no dump, and ranks 0, 1 entered all_reduce (seq 2) on group 'g'" in text
+    assert "rank 1 is stuck in all_reduce (seq 2) for 10.0 s" in text
+    assert "rank 0 waits in recv from rank 2 (tag 7) on group 'g' for 10.0 s" in text
+    assert "ranks 2 wrote no dump" not in text and "rank 2 wrote no dump: dead" in text
+
+
+def test_analysis_when_everything_completed(tmp_path):
+    for r in range(2):
+        _dump(tmp_path, r, [_e(1, "barrier", "completed")], world_size=2)
+    report = analyze(str(tmp_path))
+    assert report.causes == [] and "nothing stuck or inconsistent" in report.text()
+    assert any(f["kind"] == "ok" for f in report.findings)
+
+
+def test_trace_analyze_command(tmp_path, capsys):
+    _dump(tmp_path, 0, [_e(1, "all_reduce", "started", shape=[10], dtype="float32")], world_size=2)
+    _dump(tmp_path, 1, [], world_size=2)
+    (tmp_path / "junk.json").write_text("{")
+    assert cli_main(["trace", "analyze", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 never entered all_reduce (seq 1, shape (10,) float32)" in out
+    assert "warning: cannot read junk.json" in out
+    assert cli_main(["trace", "analyze", "--json", str(tmp_path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["present"] == [0, 1] and any(f["kind"] == "never_entered" for f in data["findings"])
+    assert cli_main(["trace", "analyze", str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err

@@ -1,0 +1,377 @@
+"""``distcomm run``: real launchers, real workers.
+
+Worker programs are written to ``tmp_path``; workers record their pids in
+files so the tests can check, by scanning /proc, that none survives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from distcomm.testing import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+RUN = [sys.executable, "-m", "distcomm.run"]
+
+ENV_PROG = """
+import json, os, sys
+import numpy as np
+import distcomm as dist
+dist.init_process_group("tcp")
+a = np.ones(1)
+dist.all_reduce(a)
+names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+         "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+         "DISTCOMM_RUN_ID", "TORCHELASTIC_RUN_ID", "DISTCOMM_RESTART_COUNT",
+         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS"]
+info = {n: os.environ.get(n) for n in names}
+info.update(sum=float(a[0]), rank=dist.get_rank(), size=dist.get_world_size(), argv=sys.argv[1:])
+print("ENV " + json.dumps(info))
+print("err line of", dist.get_rank(), file=sys.stderr)
+dist.destroy_process_group()
+"""
+
+#: Every rank records its pid in DIR/pid<rank>, then waits to be stopped.
+WAIT_PROG = """
+import os, sys, time
+d = sys.argv[1]
+with open(os.path.join(d, "tmp" + os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
+os.rename(os.path.join(d, "tmp" + os.environ["RANK"]), os.path.join(d, "pid" + os.environ["RANK"]))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+#: Like WAIT_PROG, but rank 1 fails (exit code 3 or SIGKILL) once every rank is up.
+FAIL_PROG = WAIT_PROG.replace("time.sleep(60)", """
+if os.environ["RANK"] == "1":
+    n = int(os.environ["WORLD_SIZE"])
+    while len([f for f in os.listdir(d) if f.startswith("pid")]) < n:
+        time.sleep(0.01)
+    for i in range(30):
+        print("stderr line", i, file=sys.stderr)
+    print("the last words of rank 1", file=sys.stderr, flush=True)
+    if sys.argv[2] == "signal":
+        os.kill(os.getpid(), 9)
+    sys.exit(3)
+time.sleep(60)
+""")
+
+
+def write(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def launch(args: list[str], cwd: Path, timeout: float = 60, cmd: list[str] = RUN):
+    return subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def env_lines(stdout: str) -> dict[int, dict]:
+    out = {}
+    for line in stdout.splitlines():
+        head, sep, rest = line.partition("]:ENV ")
+        if sep:
+            info = json.loads(rest)
+            assert head == f"[rank{info['rank']}"
+            out[info["rank"]] = info
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait_pids(d: Path, n: int, timeout: float = 30) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        files = [d / f"pid{i}" for i in range(n)]
+        if all(f.exists() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.02)
+    raise AssertionError(f"workers did not start: {sorted(os.listdir(d))}")
+
+
+def assert_gone(pids: list[int], within: float = 3.0) -> None:
+    end = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not [p for p in pids if alive(p)], "workers outlived the launcher"
+
+
+# -- the environment and the output ---------------------------------------------------
+
+
+def test_workers_get_the_environment_and_prefixed_output(tmp_path):
+    prog = write(tmp_path, "env.py", ENV_PROG)
+    out = launch(["--standalone", "--nproc-per-node", "3", "--max-restarts", "2", prog, "a", "--b"],
+                 tmp_path)
+    assert out.returncode == 0, out.stderr
+    info = env_lines(out.stdout)
+    assert sorted(info) == [0, 1, 2]
+    for r, e in info.items():
+        assert (e["rank"], e["size"], e["sum"], e["argv"]) == (r, 3, 3.0, ["a", "--b"])
+        assert e["RANK"] == e["LOCAL_RANK"] == e["ROLE_RANK"] == str(r)
+        assert e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == e["ROLE_WORLD_SIZE"] == "3"
+        assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"], e["ROLE_NAME"]) == ("0", "1", "default")
+        assert e["MASTER_ADDR"] == "127.0.0.1" and int(e["MASTER_PORT"]) > 0
+        assert e["DISTCOMM_RUN_ID"] == e["TORCHELASTIC_RUN_ID"] == info[0]["DISTCOMM_RUN_ID"]
+        assert e["DISTCOMM_RESTART_COUNT"] == e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert e["TORCHELASTIC_MAX_RESTARTS"] == "2" and e["OMP_NUM_THREADS"] == "1"
+    assert sorted(out.stderr.splitlines()) == [f"[rank{r}]:err line of {r}" for r in range(3)]
+
+
+def test_output_options_prefix_filter_and_log_dir(tmp_path):
+    prog = write(tmp_path, "p.py", """
+        import os, sys
+        print("out", os.environ["RANK"])
+        print("err", os.environ["RANK"], file=sys.stderr)
+    """)
+    logs = tmp_path / "logs"
+    out = launch(["--nproc-per-node", "2", "--no-rank-prefix", "--local-ranks-filter", "1",
+                  "--log-dir", str(logs), prog], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["out 1"]
+    assert "err 1" in out.stderr.splitlines() and "err 0" not in out.stderr
+    assert (logs / "attempt_0" / "0" / "stdout.log").read_text() == "out 0\n"
+    assert (logs / "attempt_0" / "1" / "stderr.log").read_text() == "err 1\n"
+
+
+def test_module_and_no_python(tmp_path):
+    write(tmp_path, "mymod.py", """
+        import os, sys
+        print("module", os.environ["RANK"], sys.argv[1:])
+    """)
+    out = launch(["--nproc-per-node", "2", "-m", "mymod", "x"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == [f"[rank{r}]:module {r} ['x']" for r in (0, 1)]
+    out = launch(["--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "sh $RANK/$WORLD_SIZE"'],
+                 tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0]:sh 0/2", "[rank1]:sh 1/2"]
+
+
+def test_the_distcomm_command_has_run(tmp_path):
+    prog = write(tmp_path, "env.py", ENV_PROG)
+    out = launch(["run", "--nproc-per-node", "2", prog], tmp_path,
+                 cmd=[sys.executable, "-m", "distcomm.cli"])
+    assert out.returncode == 0, out.stderr
+    assert sorted(env_lines(out.stdout)) == [0, 1]
+
+
+def test_two_standalone_jobs_at_once(tmp_path):
+    prog = write(tmp_path, "env.py", ENV_PROG)
+    cmd = [*RUN, "--standalone", "--nproc-per-node", "2", prog]
+    jobs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    results = [job.communicate(timeout=60) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], results
+    ports = [env_lines(stdout)[0]["MASTER_PORT"] for stdout, _ in results]
+    assert ports[0] != ports[1]
+    assert all(e["sum"] == 2.0 for stdout, _ in results for e in env_lines(stdout).values())
+
+
+# -- failures and restarts ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["exit", "signal"])
+def test_a_failing_worker_stops_the_others(tmp_path, how):
+    prog = write(tmp_path, "fail.py", FAIL_PROG)
+    t0 = time.monotonic()
+    out = launch(["--nproc-per-node", "3", "--shutdown-timeout", "10", prog, str(tmp_path), how],
+                 tmp_path)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 1
+    pids = wait_pids(tmp_path, 3, timeout=1)
+    assert not [p for p in pids if alive(p)]
+    assert elapsed < 10  # the others went at SIGTERM, not after the grace
+    exit_text = "was killed by SIGKILL" if how == "signal" else "exited with code 3"
+    report = [line for line in out.stderr.splitlines() if line.startswith("distcomm run:")]
+    assert f"rank 1 (local rank 1, pid {pids[1]}) {exit_text}" in report[0]
+    assert "no restarts left" in report[-1]
+    tail = out.stderr.split("last lines of rank 1's stderr:")[1].splitlines()
+    assert tail[-1].strip() == "the last words of rank 1" and "stderr line 29" in tail[-2]
+
+
+def test_restart_after_a_failure(tmp_path):
+    prog = write(tmp_path, "flaky.py", """
+        import os, sys
+        import distcomm as dist
+        restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if os.environ["RANK"] == "1" and restart == 0:
+            sys.exit(3)
+        dist.init_process_group("tcp")
+        dist.barrier()
+        print("ok", dist.get_rank(), "restart", restart, "round", os.environ["DISTCOMM_RDZV_ROUND"])
+        dist.destroy_process_group()
+    """)
+    out = launch(["--nproc-per-node", "2", "--max-restarts", "2", prog], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "[rank1]:ok 1 restart 1 round 1" in out.stdout.splitlines()
+    assert "[rank0]:ok 0 restart 1 round 1" in out.stdout.splitlines()
+    assert "restarting the workers (restart 1 of 2)" in out.stderr
+
+
+def test_restarts_run_out(tmp_path):
+    prog = write(tmp_path, "bad.py", "import sys; sys.exit(5)\n")
+    out = launch(["--nproc-per-node", "2", "--max-restarts", "1", prog], tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.count("restarting the workers") == 1
+    assert "exited with code 5; no restarts left (--max-restarts 1)" in out.stderr
+
+
+# -- signals to the launcher ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_signal_to_the_launcher_leaves_no_worker(tmp_path, sig):
+    prog = write(tmp_path, "wait.py", WAIT_PROG)
+    with subprocess.Popen([*RUN, "--nproc-per-node", "3", prog, str(tmp_path)], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
+        pids = wait_pids(tmp_path, 3)
+        job.send_signal(sig)
+        _, err = job.communicate(timeout=30)
+    assert job.returncode == (-sig if sig == signal.SIGKILL else 128 + sig)
+    if sig != signal.SIGKILL:
+        assert f"got {signal.Signals(sig).name}; stopping 3 workers" in err
+    assert_gone(pids)
+
+
+def test_what_workers_leave_behind_is_killed(tmp_path):
+    # each worker starts a background sleep in its own process group, and exits 0 at once
+    script = f'sleep 60 & echo $! > {tmp_path}/pid$RANK; exit 0'
+    out = launch(["--nproc-per-node", "2", "--no-python", "sh", "-c", script], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert_gone(wait_pids(tmp_path, 2, timeout=1), within=2)
+
+
+# -- several launchers ------------------------------------------------------------------------
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    prog = write(tmp_path, "env.py", ENV_PROG)
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", port]
+    with subprocess.Popen([*RUN, *common, "--node-rank", "1", prog], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as node1:
+        out0 = launch([*common, "--node-rank", "0", prog], tmp_path)
+        out1, err1 = node1.communicate(timeout=60)
+    assert out0.returncode == 0 and node1.returncode == 0, (out0.stderr, err1)
+    on0, on1 = env_lines(out0.stdout), env_lines(out1)
+    assert sorted(on0) == [0, 1] and sorted(on1) == [2, 3]
+    for e in [*on0.values(), *on1.values()]:
+        assert (e["size"], e["sum"], e["WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) == (4, 4.0, "4", "2")
+        assert e["MASTER_PORT"] == port
+    assert [on1[r]["GROUP_RANK"] for r in (2, 3)] == ["1", "1"]
+    assert [on1[r]["LOCAL_RANK"] for r in (2, 3)] == ["0", "1"]
+
+
+def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
+    prog = write(tmp_path, "elastic.py", """
+        import os, sys, time
+        import numpy as np
+        import distcomm as dist
+        dist.init_process_group("tcp")
+        a = np.ones(1)
+        dist.all_reduce(a)
+        n = dist.get_world_size()
+        open(os.path.join(sys.argv[1], f"world{n}_rank{dist.get_rank()}_sum{a[0]:g}"), "w").close()
+        if n < 4:
+            time.sleep(60)  # until the second node joins and the launcher restarts us
+        dist.destroy_process_group()
+    """)
+    port = free_port()
+    cmd = [*RUN, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--rdzv-conf",
+           "last_call_timeout=0.5", prog, str(tmp_path)]
+    opts = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen(cmd, **opts) as first:
+        end = time.monotonic() + 30
+        while not (tmp_path / "world2_rank1_sum2").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert (tmp_path / "world2_rank0_sum2").exists()
+        with subprocess.Popen(cmd, **opts) as second:
+            results = [p.communicate(timeout=60) for p in (first, second)]
+    assert (first.returncode, second.returncode) == (0, 0), results
+    for r in range(4):
+        assert (tmp_path / f"world4_rank{r}_sum4").exists()
+    assert "membership changed" in results[0][1]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus", "1", "p.py"], "unrecognized arguments: --bogus"),
+        (["missing.py"], "script 'missing.py' not found"),
+        (["--nproc-per-node", "0", "p.py"], "--nproc-per-node 0: expected a number >= 1"),
+        (["--nproc-per-node", "many", "p.py"], "--nproc-per-node 'many'"),
+        (["--nnodes", "2", "--master-addr", "no-such-host.invalid", "p.py"], "does not resolve"),
+        (["--nnodes", "1:2", "p.py"], "needs --rdzv-endpoint"),
+        (["--nnodes", "2", "--node-rank", "2", "p.py"], "--node-rank 2: expected 0..1"),
+        (["--standalone", "--nnodes", "2", "p.py"], "--standalone runs one node"),
+        (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+        (["--no-python", "no-such-program-here"], "'no-such-program-here' not found"),
+        (["--master-port", "70000", "p.py"], "--master-port 70000"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
+    write(tmp_path, "p.py", "print('never')\n")
+    # `distcomm run` (the registered subcommand) and `python -m distcomm.run` share the parser
+    cli = [sys.executable, "-m", "distcomm.cli", "run"]
+    for cmd in (RUN, cli) if args[0] == "--bogus" else (RUN,):
+        out = launch(args, tmp_path, cmd=cmd)
+        assert out.returncode == 2
+        assert out.stdout == ""
+        lines = out.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("distcomm run: error: ")
+        assert message in lines[0]
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    prog = write(tmp_path, "p.py", "print('never')\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        out = launch(["--nproc-per-node", "2", "--master-port", port, prog], tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        f"distcomm run: error: cannot host the job's store on 127.0.0.1:{port}: "
+        f"Address already in use (is another job using port {port}?)"
+    ]
+
+
+def test_nodes_that_disagree_on_nnodes_both_fail(tmp_path):
+    prog = write(tmp_path, "p.py", "print('never')\n")
+    port = str(free_port())
+    common = ["--master-port", port, "--nproc-per-node", "1"]
+    with subprocess.Popen([*RUN, *common, "--nnodes", "3", "--node-rank", "1", prog],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as other:
+        out = launch([*common, "--nnodes", "2", "--node-rank", "0", prog], tmp_path)
+        _, other_err = other.communicate(timeout=60)
+    for code, err in ((out.returncode, out.stderr), (other.returncode, other_err)):
+        assert code == 1
+        lines = err.splitlines()
+        assert len(lines) == 1 and "nodes disagree on --nnodes" in lines[0], err
+    assert "never" not in out.stdout

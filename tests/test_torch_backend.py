@@ -1,0 +1,318 @@
+"""distcomm as a torch.distributed backend: ``import distcomm.torch``; ``init_process_group("distcomm")``.
+
+DDP trains on it exactly as on gloo (same seed, same parameters after every
+step), and torch.distributed's collectives and point-to-point calls work on
+CPU tensors through it.  Ranks are real processes (run_ranks).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as tdist  # noqa: E402
+
+import distcomm  # noqa: E402
+from distcomm.testing import free_port, run_ranks  # noqa: E402
+
+WORLD = 2
+
+
+def _init(backend: str, rank: int, ws: int, port: int) -> None:
+    import distcomm.torch  # noqa: F401 - registers "distcomm"
+
+    tdist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws)
+
+
+def _train(backend: str, rank: int, ws: int, port: int, steps: int = 4) -> list[list[np.ndarray]]:
+    """A few DDP steps from one seed; the parameters after each step."""
+    _init(backend, rank, ws, port)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                    torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        model.register_buffer("running", torch.arange(3.0) + 10 * rank)  # broadcast from rank 0
+        # tiny buckets: several all-reduces per backward pass, issued while it runs
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
+        history = []
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            history.append([p.detach().numpy().copy() for p in model.parameters()])
+        history.append([model.running.numpy().copy()])
+        tdist.barrier()
+        del ddp, opt  # before destroy: a DDP reducer holding the last reference to gloo's
+        gc.collect()  # group can deadlock gloo's teardown (a torch issue, not distcomm's)
+        return history
+    finally:
+        tdist.destroy_process_group()
+
+
+def all_rank(rank: int, ws: int, ports: list[int], programs: list[str]) -> dict:
+    """Everything the multi-process tests check, in one pair of processes (torch imports once)."""
+    out: dict = {"distcomm": _train("distcomm", rank, ws, ports[0]), "gloo": _train("gloo", rank, ws, ports[1])}
+    out["api"] = api_rank(rank, ws, ports[2])
+    out["docs"] = [_run_program(code, rank, ws, port) for code, port in zip(programs, ports[3:], strict=False)]
+    return out
+
+
+def _run_program(code: str, rank: int, ws: int, port: int) -> str:
+    """Run a docs program as torchrun would start it (its variables), capturing what it prints."""
+    import contextlib
+    import io
+    import os
+
+    env = {"RANK": str(rank), "WORLD_SIZE": str(ws), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ws),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, "<docs/torch.md>", "exec"), {"__name__": "__main__"})
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ranks_results():
+    programs = _doc_programs("torch.md")
+    ports = [free_port() for _ in range(3 + len(programs))]
+    return run_ranks(all_rank, WORLD, ports, programs, timeout=150)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ddp_matches_gloo_step_by_step(ranks_results):
+    results = ranks_results
+    for rank, res in enumerate(results):
+        for step, (mine, ref) in enumerate(zip(res["distcomm"], res["gloo"], strict=True)):
+            for i, (a, b) in enumerate(zip(mine, ref, strict=True)):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7,
+                                           err_msg=f"rank {rank} step {step} parameter {i}")
+    # and the ranks agree with each other (DDP kept them in sync)
+    for a, b in zip(results[0]["distcomm"][-2], results[1]["distcomm"][-2], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(results[1]["distcomm"][-1][0], np.arange(3.0))  # rank 0's buffer
+
+
+# -- the rest of torch.distributed on backend "distcomm" -----------------------------------------
+
+
+def api_rank(rank: int, ws: int, port: int) -> list[str]:
+    """torch.distributed's functions on "distcomm"; returns the problems found."""
+    problems: list[str] = []
+
+    def same(case: str, got, want) -> None:
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            problems.append(f"rank {rank} {case}: got {got}, expected {want}")
+
+    _init("distcomm", rank, ws, port)
+    try:
+        if tdist.get_backend() != "distcomm":
+            problems.append(f"get_backend() = {tdist.get_backend()!r}")
+        t = torch.arange(4, dtype=torch.int64) + rank
+        tdist.all_reduce(t)
+        same("all_reduce", t, torch.arange(4) * ws + sum(range(ws)))
+        t = torch.full((3,), float(rank + 1), dtype=torch.bfloat16)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        same("all_reduce bfloat16 max", t, torch.full((3,), float(ws), dtype=torch.bfloat16))
+        c = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64) * (rank + 1)
+        tdist.all_reduce(c)
+        same("all_reduce complex", c, torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64) * 3)
+        w = tdist.all_reduce(torch.ones(1000) * rank, async_op=True)
+        w.wait()
+        fut_value = w.get_future().value()
+        if not isinstance(fut_value, list) or len(fut_value) != 1:
+            problems.append(f"all_reduce future value {type(fut_value).__name__}")
+        b = torch.arange(5.0) if rank == 1 else torch.zeros(5)
+        tdist.broadcast(b, src=1)
+        same("broadcast", b, torch.arange(5.0))
+        r = torch.full((2,), float(rank + 1))
+        tdist.reduce(r, dst=0, op=tdist.ReduceOp.PRODUCT)
+        if rank == 0:
+            same("reduce product", r, torch.full((2,), 2.0))
+        outs = [torch.zeros(2, dtype=torch.int32) for _ in range(ws)]
+        tdist.all_gather(outs, torch.full((2,), rank, dtype=torch.int32))
+        for i in range(ws):
+            same(f"all_gather[{i}]", outs[i], torch.full((2,), i, dtype=torch.int32))
+        big = torch.zeros(ws * 3)
+        getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)(big, torch.full((3,), float(rank)))
+        same("all_gather_into_tensor", big, torch.arange(ws).repeat_interleave(3).float())
+        rs = torch.zeros(2)
+        getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)(rs, torch.arange(2.0 * ws))
+        same("reduce_scatter_tensor", rs, (torch.arange(2.0) + 2 * rank) * ws)
+        rs2 = torch.zeros(2)
+        tdist.reduce_scatter(rs2, [torch.full((2,), float(i)) for i in range(ws)])
+        same("reduce_scatter", rs2, torch.full((2,), float(rank * ws)))
+        a2a = torch.zeros(ws, dtype=torch.int64)
+        tdist.all_to_all_single(a2a, torch.arange(ws) + 10 * rank)
+        same("all_to_all_single", a2a, torch.arange(ws) * 10 + rank)
+        lo = [torch.zeros(1, dtype=torch.int64) for _ in range(ws)]
+        tdist.all_to_all(lo, [torch.tensor([100 * rank + j]) for j in range(ws)])
+        same("all_to_all", torch.cat(lo), torch.arange(ws) * 100 + rank)
+        g = [torch.zeros(2) for _ in range(ws)] if rank == 0 else None
+        tdist.gather(torch.full((2,), float(rank)), g, dst=0)
+        if rank == 0:
+            same("gather", torch.stack(g), torch.arange(float(ws)).repeat_interleave(2).reshape(ws, 2))
+        s = torch.zeros(2)
+        tdist.scatter(s, [torch.full((2,), float(i)) for i in range(ws)] if rank == 0 else None, src=0)
+        same("scatter", s, torch.full((2,), float(rank)))
+        # point to point: blocking, async, any source, batched
+        if rank == 0:
+            tdist.send(torch.arange(3.0), dst=1, tag=4)
+            w = tdist.isend(torch.arange(2, dtype=torch.int64), dst=1)
+            w.wait()
+            got = torch.zeros(1)
+            src = tdist.recv(got)  # any source
+            if src != 1:
+                problems.append(f"recv from any source returned {src}")
+            same("recv any source", got, torch.ones(1))
+        elif rank == 1:
+            x = torch.zeros(3)
+            tdist.recv(x, src=0, tag=4)
+            same("send/recv", x, torch.arange(3.0))
+            y = torch.zeros(2, dtype=torch.int64)
+            tdist.irecv(y, src=0).wait()
+            same("isend/irecv", y, torch.arange(2))
+            tdist.send(torch.ones(1), dst=0)
+        nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+        got = torch.zeros(2)
+        reqs = tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, torch.full((2,), float(rank)), nxt),
+                                        tdist.P2POp(tdist.irecv, got, prv)])
+        for q in reqs:
+            q.wait()
+        same("batch_isend_irecv", got, torch.full((2,), float(prv)))
+        # coalesced all-reduce and the coalescing manager
+        ts = [torch.ones(3) * rank, torch.ones(2, 2) * (rank + 1)]
+        with __import__("warnings").catch_warnings():
+            __import__("warnings").simplefilter("ignore", FutureWarning)
+            tdist.all_reduce_coalesced(ts)
+        same("all_reduce_coalesced[0]", ts[0], torch.ones(3) * sum(range(ws)))
+        same("all_reduce_coalesced[1]", ts[1], torch.ones(2, 2) * sum(range(1, ws + 1)))
+        from torch.distributed.distributed_c10d import _coalescing_manager
+
+        cs = [torch.ones(2) * rank, torch.ones(3)]
+        with _coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+            for x in cs:
+                tdist.all_reduce(x)
+        cm.wait()
+        same("coalescing manager", cs[0], torch.ones(2) * sum(range(ws)))
+        # objects, subgroups, barrier
+        objs = [None] * ws
+        tdist.all_gather_object(objs, {"rank": rank})
+        if objs != [{"rank": i} for i in range(ws)]:
+            problems.append(f"all_gather_object gave {objs}")
+        sub = tdist.new_group([0, ws - 1])
+        t = torch.ones(1)
+        tdist.all_reduce(t, group=sub)
+        same("subgroup all_reduce", t, torch.ones(1) * 2)
+        tdist.barrier()
+        # dtypes NumPy lacks: moved as raw bits, refused by reductions
+        if hasattr(torch, "float8_e4m3fn"):
+            f8 = (torch.arange(4.0) if rank == 0 else torch.zeros(4)).to(torch.float8_e4m3fn)
+            tdist.broadcast(f8, src=0)
+            same("broadcast float8", f8.float(), torch.arange(4.0))
+            try:
+                tdist.all_reduce(torch.zeros(4).to(torch.float8_e4m3fn))
+                problems.append("all_reduce of float8 did not raise")
+            except distcomm.DistTypeError as e:
+                if "float8" not in str(e) or "\n" in str(e):
+                    problems.append(f"float8 error: {e}")
+        # devices other than the CPU
+        try:
+            tdist.all_reduce(torch.zeros(3, device="meta"))
+            problems.append("all_reduce of a meta tensor did not raise")
+        except distcomm.DistInputError as e:
+            if "meta" not in str(e) or "'cpu'" not in str(e) or "\n" in str(e):
+                problems.append(f"meta tensor error: {e}")
+        tdist.barrier()
+    finally:
+        tdist.destroy_process_group()
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torch_distributed_api_on_distcomm(ranks_results):
+    problems = [p for r in ranks_results for p in r["api"]]
+    assert not problems, "\n".join(problems)
+
+
+# -- in this process ---------------------------------------------------------------------------
+
+
+def test_registered_with_torch():
+    import distcomm.torch  # noqa: F401
+
+    assert "distcomm" in tdist.Backend.backend_list
+    assert tdist.Backend.backend_capability["distcomm"] == ["cpu"]
+    assert tdist.Backend.default_device_backend_map["cpu"] == "gloo"  # torch's default untouched
+    distcomm.torch.register()  # idempotent
+
+
+def test_world_of_one_in_this_process():
+    """World size 1 through a torch store, re-initialised twice; nothing left behind."""
+    import distcomm.torch  # noqa: F401
+
+    for _ in range(2):
+        store = tdist.HashStore()
+        tdist.init_process_group("distcomm", store=store, rank=0, world_size=1)
+        t = torch.arange(3.0)
+        tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+        assert t.tolist() == [0.0, 1.0, 2.0]
+        assert tdist.get_world_size() == 1 and tdist.get_backend() == "distcomm"
+        tdist.destroy_process_group()
+
+
+def test_unsupported_device_and_dtype_messages():
+    from distcomm.torch._group import _check_tensor
+
+    with pytest.raises(distcomm.DistInputError, match=r"device 'meta'.*'cpu'"):
+        _check_tensor(torch.zeros(2, device="meta"), "tensor", reduces=False)
+    if hasattr(torch, "float8_e5m2"):
+        with pytest.raises(distcomm.DistTypeError, match="float8_e5m2"):
+            _check_tensor(torch.zeros(2).to(torch.float8_e5m2), "tensor", reduces=True)
+        raw = _check_tensor(torch.ones(2).to(torch.float8_e5m2), "tensor", reduces=False)
+        assert raw.dtype == torch.uint8
+    with pytest.raises(distcomm.DistTypeError, match="torch.Tensor"):
+        _check_tensor(np.zeros(2), "tensor", reduces=False)
+
+
+# -- docs/torch.md -----------------------------------------------------------------------------
+
+
+def _doc_programs(name: str) -> list[str]:
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", name)
+    with open(path) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    return [b for b in blocks if b.startswith("# run: ")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_docs_torch_examples_run(ranks_results):
+    """Every program in docs/torch.md runs (as torchrun would start it: the same variables)."""
+    programs = _doc_programs("torch.md")
+    assert programs, "docs/torch.md has no runnable example"
+    for code in programs:
+        assert code.startswith("# run: torchrun --standalone --nproc-per-node 2 {file}"), code.splitlines()[0]
+    for rank, res in enumerate(ranks_results):
+        assert len(res["docs"]) == len(programs)
+        for out in res["docs"]:
+            assert f"rank {rank}: trained, replicas identical" in out, out
