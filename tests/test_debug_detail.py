@@ -1,10 +1,13 @@
 """DISTCOMM_DEBUG=DETAIL: mismatched collectives raise DistDesyncError on every rank, naming what each passed.
 
-One job per backend (3 ranks) runs every mismatch in turn; after each, the
-group must still work (the check runs before any data moves).
+One job per backend (3 ranks) runs every mismatch in turn, each on a group of
+its own; afterwards that group still works (tcp, several machines) or fails at
+once quoting the mismatch (shared memory, whose slot bookkeeping went apart).
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -43,6 +46,7 @@ def run_detail_mismatches(rank: int, world_size: int, backend: str, port: int) -
     sends = [1, 2] + [1] * (world_size - 2) if rank == 0 else [1] * world_size
     cases = {  # each on a group of its own
         "shape": lambda g: dist.all_reduce(np.ones(10 if rank == 0 else 20, f32), group=g),
+        "large": lambda g: dist.all_reduce(np.ones((1 << 20) * (2 if rank == 1 else 1), f32), group=g),
         "dtype": lambda g: dist.all_reduce(np.ones(4, f32 if rank != 2 else np.float64), group=g),
         "order": lambda g: dist.broadcast(np.ones(4, f32), src=0, group=g) if rank == 1
         else dist.all_reduce(np.ones(4, f32), group=g),
@@ -93,7 +97,7 @@ def test_detail_mismatches_raise_on_every_rank(backend):
     for rank, r in enumerate(results):
         assert r["sum"] == [6.0] * 5
         assert r["objects"] == [{"rank": i} for i in range(ws)]
-        for case in ("shape", "dtype", "order", "root", "op", "splits"):
+        for case in ("shape", "large", "dtype", "order", "root", "op", "splits"):
             e = r[case]
             assert e is not None and e["type"] == "DistDesyncError", (rank, case, e)
             assert e["backend_error"] and "\n" not in e["text"]
@@ -105,6 +109,8 @@ def test_detail_mismatches_raise_on_every_rank(backend):
                 assert after == "ok", (case, after)
         assert "rank 0 called all_reduce of shape (10,) float32 (SUM) while ranks 1, 2 passed shape (20,)" \
             in r["shape"]["text"]
+        assert "ranks 0, 2 called all_reduce of shape (1048576,) float32 (SUM) while rank 1 passed shape " \
+               "(2097152,)" in r["large"]["text"]
         assert "while rank 2 passed dtype float64" in r["dtype"]["text"]
         assert "ranks 0, 2 called all_reduce of shape (4,) float32 (SUM) while rank 1 called broadcast " \
                "(src rank 0)" in r["order"]["text"]
@@ -129,3 +135,16 @@ def test_mismatch_text_of_calls():
     assert "while rank 2 passed collective seq 5" in mismatch_text([a, a, c], [0, 1, 2])
     # global ranks of a subgroup are named
     assert mismatch_text([a, b], [4, 6]).startswith("rank 4 called")
+
+
+@pytest.mark.timeout(60)
+def test_bench_debug_command(capsys, tmp_path):
+    from distcomm.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "debug", "--backends", "tcp", "--iters", "2", "--repeat", "3",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "DETAIL/OFF" in text and "tcp" in text
+    data = json.loads(out.read_text())
+    assert set(data["overhead"]["tcp"]["median_us"]) == {"no recorder", "OFF", "DETAIL"}

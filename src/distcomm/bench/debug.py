@@ -4,7 +4,8 @@
   with the flight recorder off (``DISTCOMM_FLIGHT_RECORDER_SIZE=0``), in the
   default mode (OFF, recorder on) and with ``DISTCOMM_DEBUG=DETAIL``, per
   backend.  The modes are switched inside one job at the same point on every
-  rank and interleaved over repetitions; medians and ratios are reported.
+  rank and interleaved over many short runs (so a load spike on a shared
+  machine hits every mode alike); medians and ratios are reported.
 * **failures** (``--failures``, 4 ranks): seconds from a SIGKILL of rank 2
   in the middle of large ``all_reduce`` calls to each survivor's error (and
   whether the error names rank 2); seconds past the timeout until rank 0
@@ -40,8 +41,8 @@ class DebugBenchConfig:
     backends: tuple[str, ...] = ("tcp", "shm")
     nproc: int = 2
     nbytes: int = 4096
-    iters: int = 300
-    repeat: int = 15
+    iters: int = 20
+    repeat: int = 150
     failures: bool = False
     fail_timeout: float = 2.0
 

@@ -54,9 +54,9 @@ def make_gate(checker: Any) -> Gate | None:
     if channel is None:
         return None
     if type(algorithms).__name__ == "ChannelAlgorithms" and getattr(algorithms, "channel", None) is channel:
-        return ChannelGate(checker, channel)
+        return ChannelGate(checker)
     if hasattr(algorithms, "ctl") and isinstance(getattr(algorithms, "_phase", None), int):
-        return PhaseGate(checker, channel)
+        return PhaseGate(checker)
     return None
 
 
@@ -65,17 +65,25 @@ class Gate:
 
     breaks_group = False
 
-    def __init__(self, checker: Any, channel: Any) -> None:
-        self.checker = weakref.proxy(checker)  # the checker holds its gate: no cycle
+    def __init__(self, checker: Any) -> None:
+        # Nothing of the group is held here (the checker holds the gate, the group the checker;
+        # a destroyed group must free its memory at once): the group is reached through a proxy.
+        self.checker = weakref.proxy(checker)
         self.pg = checker.pg
-        self.algorithms = self.pg.algorithms
-        self.channel = channel
         n, me = checker._n, self.pg.rank()
         self._peers = [r for r in range(n) if r != me]
         self._rows = {r: memoryview(checker._fast[4 * r : 4 * r + 4].view(np.uint8)) for r in self._peers}
         self._mine = memoryview(checker._mine.view(np.uint8))
         self._pending: list[Any] = []
         self._call: tuple | None = None
+
+    @property
+    def channel(self) -> Any:
+        return self.pg.channel
+
+    @property
+    def algorithms(self) -> Any:
+        return self.pg.algorithms
 
     def run(self, op: str, seq: int, info: tuple, deadline: Deadline, run: Callable[[int, Deadline], Any]) -> Any:
         h = self.checker.fill(op, seq, info)
@@ -136,13 +144,13 @@ class Gate:
 class ChannelGate(Gate):
     """The channel a checked collective sees (``tcp``)."""
 
-    def __init__(self, checker: Any, channel: Any) -> None:
-        super().__init__(checker, channel)
-        self.rank = channel.rank
-        self.size = channel.size
+    def __init__(self, checker: Any) -> None:
+        super().__init__(checker)
+        self.rank = checker.pg.rank()
+        self.size = checker.pg.size()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.channel, name)
+        return getattr(self.pg.channel, name)
 
     def install(self) -> Callable[[], None]:
         alg, ch = self.algorithms, self.channel
