@@ -2,25 +2,32 @@
 
     python examples/chaos.py --steps 300 --kills 20            # the long run (a benchmark)
     python examples/chaos.py --steps 60 --kills 3              # what the test suite runs
+    python examples/chaos.py --replicas 2 --ranks-per-replica 2 --steps 60 --kills 3
 
 A lighthouse runs in this process; each replica is ``examples/ft_train.py``
-in its own process, logging one JSON line per step.  Every ``--kill-every``
-committed steps, once every replica is back and contributing, one replica
-chosen at random is killed with SIGKILL and started again at once.  At the
+in its own process (or ``--ranks-per-replica`` processes: a replica group
+sharding its state, with a store in this process as a launcher's),
+logging one JSON line per step and rank.  Every ``--kill-every`` committed
+steps, once every replica is back and contributing, one replica chosen at
+random is killed with SIGKILL (one random rank of it) and started again: a
+replica group's other ranks must notice and exit by themselves, then the
+whole group starts again, as ``distcomm run --max-restarts`` does.  At the
 end it checks, from the logs:
 
-* every replica finished the planned number of committed steps, and no step
-  is missing from the record (no lost commit);
-* every replica ends with bitwise identical weights and optimizer state;
-* every record of a committed step ``s``, on any replica, has the same
-  weights (no step committed two ways), and no quorum was split on a step
-  (committed by some of its members, discarded by others that lived on);
+* every rank of every replica finished the planned number of committed
+  steps, and no step is missing from the record (no lost commit);
+* every replica ends with bitwise identical weights and optimizer state
+  (rank by rank: rank i of every replica holds the same slice);
+* every record of a committed step ``s`` by rank i, on any replica, has the
+  same state (no step committed two ways), and no quorum was split on a step
+  (committed by some ranks of its members, discarded by others that lived on);
 * the final eval loss is within ``--loss-tolerance`` (relative) of the
   failure-free run of the same data (simulated in this process);
 * nothing hung: the run ends before ``--deadline`` seconds.
 
 It prints the times survivors took to commit again after a kill and
-restarted replicas took (from their process start) to contribute again.
+restarted replicas took (from their process start) to contribute again,
+split into interpreter start, imports, setup and the first step.
 Exit status 0 when every check passes.
 """
 
@@ -49,96 +56,155 @@ def _die_with_parent() -> None:
 
 
 class Replica:
-    def __init__(self, rid: str, cmd: list[str], log: str, env: dict) -> None:
-        self.rid, self.cmd, self.log, self.env = rid, cmd, log, env
-        self.proc: subprocess.Popen | None = None
+    """The processes of one replica (its ranks), started, killed and restarted together."""
+
+    def __init__(self, rid: str, cmds: list[list[str]], logs: list[str], env: dict) -> None:
+        self.rid, self.cmds, self.logs, self.env = rid, cmds, logs, env
+        self.procs: list[subprocess.Popen] = []
         self.started = 0.0
         self.restarts = 0
 
     def start(self) -> None:
         self.started = time.time()
-        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=_die_with_parent,
-                                     stdout=subprocess.DEVNULL, stderr=open(self.log + ".err", "a"))
+        env = dict(self.env, DISTCOMM_RESTART_COUNT=str(self.restarts))  # as distcomm run sets it
+        self.procs = [subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL,
+                                       stderr=open(log + ".err", "a"))
+                      for cmd, log in zip(self.cmds, self.logs, strict=True)]
 
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].send_signal(signal.SIGKILL)
+        self.procs[rank].wait()
+
+    def wait_exit(self, timeout: float) -> float | None:
+        """Seconds until every rank exited (the others notice a dead one), None if some did not."""
+        t0 = time.time()
+        while self.running():
+            if time.time() - t0 > timeout:
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+                return None
+            time.sleep(0.01)
+        return time.time() - t0
 
 
-def read_records(path: str) -> list[dict]:
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n"):
-                    out.append(json.loads(line))
-    except FileNotFoundError:
-        pass
-    return out
+class Log:
+    """A replica rank's JSON-lines log, read incrementally (the harness polls it often)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offset, self.records = path, 0, []
+        self.last_commit = 0
+
+    def update(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.records
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            x = json.loads(line)
+            self.records.append(x)
+            if x.get("committed"):
+                self.last_commit = max(self.last_commit, x["step"])
+        self.offset += end
+        return self.records
 
 
 def run(args: argparse.Namespace) -> dict:
     from distcomm.ft.lighthouse import LighthouseThread
+    from distcomm.store import TCPStore
 
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="distcomm-chaos-")
     kills: list[dict] = []
+    problems: list[str] = []
+    size = args.ranks_per_replica
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if size > 1 else None
     with LighthouseThread(min_replicas=args.min_replicas, join_timeout=args.join_timeout,
                           heartbeat_timeout=args.heartbeat_timeout) as lh:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE", "0")  # failures are the point here
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(var, str(args.blas_threads))  # replicas share this machine's cores
-        replicas = []
+        if store is not None:  # the replica groups' store, as a launcher's
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+        if args.bytecode_cache:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
+        replicas, logs = [], {}
         for i in range(args.replicas):
             rid = f"r{i}"
-            log = os.path.join(tmp, f"{rid}.jsonl")
-            cmd = [sys.executable, os.path.join(HERE, "ft_train.py"), "--replica-id", rid,
-                   "--lighthouse", lh.address, "--steps", str(args.steps), "--log", log,
-                   "--dim", str(args.dim), "--hidden", str(args.hidden), "--step-sleep", str(args.step_sleep),
-                   "--lr", str(args.lr), "--backend", args.backend, "--timeout", str(args.timeout), "--seed", str(args.seed)]
-            replicas.append(Replica(rid, cmd, log, env))
+            cmds, paths = [], []
+            for rank in range(size):
+                path = os.path.join(tmp, f"{rid}.{rank}.jsonl")
+                cmds.append([sys.executable, os.path.join(HERE, "ft_train.py"), "--replica-id", rid,
+                             "--lighthouse", lh.address, "--steps", str(args.steps), "--step-log", path,
+                             "--dim", str(args.dim), "--hidden", str(args.hidden),
+                             "--step-sleep", str(args.step_sleep), "--lr", str(args.lr),
+                             "--backend", args.backend, "--timeout", str(args.timeout), "--seed", str(args.seed),
+                             "--rank", str(rank), "--world-size", str(size)])
+                paths.append(path)
+                logs[(rid, rank)] = Log(path)
+            replicas.append(Replica(rid, cmds, paths, env))
         for r in replicas:
             r.start()
         t_start = time.time()
         last_kill_step = 0
         pending_victim: Replica | None = None
         hung = False
-        while any(r.proc.poll() is None for r in replicas):
-            time.sleep(0.02)
-            if time.time() - t_start > args.deadline:
-                hung = True
-                break
-            recs = {r.rid: read_records(r.log) for r in replicas}
-            step = max((x.get("step", 0) for rs in recs.values() for x in rs if x.get("committed")), default=0)
-            if pending_victim is not None:
-                mine = [x for x in recs[pending_victim.rid] if x.get("committed") and not x.get("healing")
-                        and x.get("t", 0) > pending_victim.started]
-                if not mine:
-                    continue  # wait until the restarted replica contributes again
-                pending_victim = None
-                last_kill_step = step  # count --kill-every from here
-            if len(kills) >= args.kills or step >= args.steps - args.quiet_steps:
-                continue
-            if step - last_kill_step < args.kill_every or step == 0:
-                continue
-            victim = rng.choice(replicas)
-            kill_t = time.time()
-            victim.kill()
-            kills.append({"replica": victim.rid, "t": kill_t, "step": step})
-            victim.restarts += 1
-            victim.start()
-            kills[-1]["restart_t"] = victim.started
-            pending_victim = victim
-            last_kill_step = step
-        for r in replicas:
-            if r.proc.poll() is None:
-                r.proc.kill()
-                r.proc.wait()
-        status = lh.status()
-    records = {r.rid: read_records(r.log) for r in replicas}
-    report = check(args, records, kills, hung)
+        try:
+            while any(r.running() for r in replicas):
+                time.sleep(0.02)
+                if time.time() - t_start > args.deadline:
+                    hung = True
+                    break
+                for log in logs.values():
+                    log.update()
+                step = max(log.last_commit for log in logs.values())
+                if pending_victim is not None:
+                    back = [any(x.get("committed") and not x.get("healing") and x.get("t", 0) > pending_victim.started
+                                for x in logs[(pending_victim.rid, k)].records) for k in range(size)]
+                    if not all(back):
+                        continue  # wait until the restarted replica contributes again (all its ranks)
+                    pending_victim = None
+                    last_kill_step = step  # count --kill-every from here
+                if len(kills) >= args.kills or step >= args.steps - args.quiet_steps:
+                    continue
+                if step - last_kill_step < args.kill_every or step == 0:
+                    continue
+                victim = rng.choice(replicas)
+                rank = rng.randrange(size)
+                kill_t = time.time()
+                victim.kill(rank)
+                kill = {"replica": victim.rid, "rank": rank, "t": kill_t, "step": step}
+                if size > 1:  # the group's other ranks must notice and exit by themselves
+                    kill["group_exit_s"] = victim.wait_exit(args.group_exit_timeout)
+                    if kill["group_exit_s"] is None:
+                        problems.append(f"after rank {rank} of {victim.rid} was killed, its other ranks did "
+                                        f"not exit within {args.group_exit_timeout:g} s")
+                kills.append(kill)
+                victim.restarts += 1
+                victim.start()
+                kill["restart_t"] = victim.started
+                pending_victim = victim
+                last_kill_step = step
+        finally:
+            for r in replicas:
+                for p in r.procs:
+                    if p.poll() is None:
+                        p.kill()
+                    p.wait()
+            status = lh.status()
+            if store is not None:
+                store.close()
+    records = {key: log.update() for key, log in logs.items()}
+    report = check(args, records, kills, hung, problems)
     report["lighthouse"] = {"quorum_id": status["quorum_id"], "quorums_issued": status["quorums_issued"]}
     report["seconds"] = round(time.time() - t_start, 2)
     if args.keep_logs:
@@ -148,50 +214,63 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def check(args: argparse.Namespace, records: dict[str, list[dict]], kills: list[dict], hung: bool) -> dict:
-    problems = []
+def check(args: argparse.Namespace, records: dict[tuple[str, int], list[dict]], kills: list[dict],
+          hung: bool, problems: list[str]) -> dict:
+    """The consistency checks and the timings, from the logs of every rank of every replica."""
+    problems = list(problems)
     if hung:
         problems.append(f"the run did not finish within {args.deadline:g} s")
-    finals = {rid: [x for x in rs if x.get("final")] for rid, rs in records.items()}
-    for rid, f in finals.items():
+    finals = {key: [x for x in rs if x.get("final")] for key, rs in records.items()}
+    for (rid, rank), f in finals.items():
         if not f or f[-1]["step"] != args.steps:
-            problems.append(f"{rid} did not finish {args.steps} committed steps "
+            problems.append(f"{rid} rank {rank} did not finish {args.steps} committed steps "
                             f"(final: {f[-1]['step'] if f else 'none'})")
-    sums = {f[-1]["checksum"] for f in finals.values() if f}
-    if len(sums) != 1:
-        problems.append(f"final weights differ across replicas: {sorted(sums)}")
-    by_step: dict[int, set] = {}
+    by_step: dict[tuple[int, int], set] = {}  # (rank, step) -> checksums of that rank's state
     attempts: dict[tuple, dict[str, bool]] = {}
-    for rid, rs in records.items():
+    for (rid, rank), rs in records.items():
         for x in rs:
             if x.get("final"):
                 continue
             if x["committed"]:
-                by_step.setdefault(x["step"], set()).add(x["checksum"])
+                by_step.setdefault((rank, x["step"]), set()).add(x["checksum"])
             before = x["step"] - 1 if x["committed"] else x["step"]
-            attempts.setdefault((x["epoch"], x["quorum_id"], before), {})[f"{rid}:{x['pid']}"] = x["committed"]
-    missing = [s for s in range(1, args.steps + 1) if s not in by_step]
-    if missing:
-        problems.append(f"steps never committed: {missing[:10]}")
-    two_ways = {s: v for s, v in by_step.items() if len(v) > 1}
+            attempts.setdefault((x["epoch"], x["quorum_id"], before), {})[f"{rid}:{rank}:{x['pid']}"] = x["committed"]
+    for rank in range(args.ranks_per_replica):
+        sums = {f[-1]["checksum"] for (_, k), f in finals.items() if f and k == rank}
+        if len(sums) != 1:
+            problems.append(f"final state of rank {rank} differs across replicas: {sorted(sums)}")
+        missing = [s for s in range(1, args.steps + 1) if (rank, s) not in by_step]
+        if missing:
+            problems.append(f"steps never committed by rank {rank}: {missing[:10]}")
+    two_ways = sorted({s for (_, s), v in by_step.items() if len(v) > 1})
     if two_ways:
-        problems.append(f"steps committed with different weights: {sorted(two_ways)[:10]}")
+        problems.append(f"steps committed with different states: {two_ways[:10]}")
     split = [k for k, v in attempts.items() if len(set(v.values())) > 1]
     if split:
-        problems.append(f"quorums split on a step (committed by some members, discarded by others): {split[:5]}")
+        problems.append(f"quorums split on a step (committed by some ranks, discarded by others): {split[:5]}")
     losses = [f[-1]["eval_loss"] for f in finals.values() if f]
-    ref = ft_train.reference_run(args.replicas, args.steps, dim=args.dim, hidden=args.hidden, seed=args.seed,
-                                 lr=args.lr)
+    ref = ft_train.reference_run(args.replicas * args.ranks_per_replica, args.steps, dim=args.dim,
+                                 hidden=args.hidden, seed=args.seed, lr=args.lr)
     loss = losses[0] if losses else float("nan")
     if not losses or not abs(loss - ref) <= args.loss_tolerance * ref:  # NaN fails too
         problems.append(f"final eval loss {loss:.5f} is not within {args.loss_tolerance:.0%} of the "
                         f"failure-free run's {ref:.5f}")
-    # timings
-    resume, contribute, startup, setup, first_step = [], [], [], [], []
+    return {
+        "ok": not problems, "problems": problems, "kills": len(kills), "steps": args.steps,
+        "replicas": args.replicas, "ranks_per_replica": args.ranks_per_replica,
+        "final_eval_loss": loss, "reference_eval_loss": ref, **timings(records, kills),
+        "heals": sum(f[-1]["stats"]["heals"] for f in finals.values() if f),
+    }
+
+
+def timings(records: dict[tuple[str, int], list[dict]], kills: list[dict]) -> dict:
+    """Survivors' time to commit again; a restarted replica's time to contribute, split in phases."""
+    resume, contribute, group_exit = [], [], []
+    phases: dict[str, list[float]] = {"interpreter_start": [], "imports": [], "setup": [], "first_step": []}
     for k in kills:
         # the first commit by a survivor in a quorum formed after the kill
         later = []
-        for rid, rs in records.items():
+        for (rid, _), rs in records.items():
             if rid == k["replica"]:
                 continue
             before = [x["quorum_id"] for x in rs if x.get("t", 0) <= k["t"] and not x.get("final")]
@@ -199,28 +278,34 @@ def check(args: argparse.Namespace, records: dict[str, list[dict]], kills: list[
                       and before and x["quorum_id"] != before[-1]]
         if later:
             resume.append(min(later) - k["t"])
-        mine = [x for x in records[k["replica"]] if x.get("started", 0) >= k["restart_t"] and not x.get("final")]
-        back = [x["first_contribution"] for x in mine if x.get("first_contribution")]
-        if back:
-            contribute.append(min(back) - k["restart_t"])
-            first = mine[0]
-            startup.append(first["started"] - k["restart_t"])  # interpreter, imports
-            setup.append(first["t0"] - first["started"])  # Manager(): lighthouse, store, servers
-            first_step.append(min(back) - first["t0"])  # quorum, recovery, the step, the commit
+        if k.get("group_exit_s") is not None:
+            group_exit.append(k["group_exit_s"])
+        # the restarted replica contributes when its last rank does
+        firsts = []
+        for (rid, _), rs in records.items():
+            if rid != k["replica"]:
+                continue
+            mine = [x for x in rs if x.get("started", 0) >= k["restart_t"] and not x.get("final")]
+            back = [x["first_contribution"] for x in mine if x.get("first_contribution")]
+            if back:
+                firsts.append((min(back), mine[0]))
+        if firsts and len(firsts) == len({key for key in records if key[0] == k["replica"]}):
+            t, first = max(firsts, key=lambda f: f[0])
+            contribute.append(t - k["restart_t"])
+            phases["interpreter_start"].append(first["started"] - k["restart_t"])
+            phases["imports"].append(first["imported"] - first["started"])  # numpy, distcomm.ft
+            phases["setup"].append(first["ready"] - first["imported"])  # model, group, Manager()
+            phases["first_step"].append(t - first["ready"])  # quorum, recovery, the step, the commit
     step_times = []
     for rs in records.values():
         ts = [x["t"] for x in rs if x.get("committed")]
         step_times += [b - a for a, b in zip(ts, ts[1:], strict=False)]
-    return {
-        "ok": not problems, "problems": problems, "kills": len(kills), "steps": args.steps,
-        "final_eval_loss": loss, "reference_eval_loss": ref,
-        "survivor_resume_s": _summary(resume), "restart_contributing_s": _summary(contribute),
-        "restart_breakdown_s": {"python_start_and_imports": _summary(startup),
-                                "manager_setup": _summary(setup),
-                                "first_step_with_recovery": _summary(first_step)},
-        "step_time_s": _summary(step_times),
-        "heals": sum(f[-1]["stats"]["heals"] for f in finals.values() if f),
-    }
+    out = {"survivor_resume_s": _summary(resume), "restart_contributing_s": _summary(contribute),
+           "restart_breakdown_s": {name: _summary(v) for name, v in phases.items()},
+           "step_time_s": _summary(step_times)}
+    if group_exit:
+        out["group_exit_s"] = _summary(group_exit)
+    return out
 
 
 def _summary(xs: list[float]) -> dict:
@@ -238,6 +323,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kill-every", type=int, default=10, help="committed steps between kills (at least)")
     ap.add_argument("--quiet-steps", type=int, default=15, help="no kill in the last N steps")
     ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--ranks-per-replica", type=int, default=1,
+                    help="processes per replica (a replica group; its state sharded over them)")
+    ap.add_argument("--group-exit-timeout", type=float, default=15.0,
+                    help="after a rank is killed, how long its replica's other ranks get to exit by themselves")
+    ap.add_argument("--bytecode-cache", action="store_true",
+                    help="let replicas cache compiled bytecode (in a temporary directory), as an installed "
+                         "package has it; without it, PYTHONDONTWRITEBYTECODE is left as it is")
     ap.add_argument("--min-replicas", type=int, default=2)
     ap.add_argument("--dim", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=64)

@@ -20,20 +20,34 @@ or by hand, each in its own terminal::
     python examples/ft_train.py --replica-id r1 --lighthouse 127.0.0.1:29510 --steps 200
     ...
 
-With ``--log FILE`` each replica appends one JSON line per step (committed or
+A replica of several processes (the weights and optimizer state sharded
+over them, FSDP-style) is one ``distcomm run`` each, restarted as a whole
+when one of its ranks dies; every replica needs the same auth token (each
+``distcomm run`` draws its own unless one is set)::
+
+    export DISTCOMM_AUTH_TOKEN=$(python -c "import secrets; print(secrets.token_hex(16))")
+    distcomm run --standalone --nproc-per-node 2 --max-restarts 10 \
+        examples/ft_train.py --replica-id r0 --lighthouse 127.0.0.1:29510 --steps 200
+    distcomm run --standalone --nproc-per-node 2 --max-restarts 10 \
+        examples/ft_train.py --replica-id r1 --lighthouse 127.0.0.1:29510 --steps 200
+
+With ``--step-log FILE`` each replica (each rank) appends one JSON line per step (committed or
 not) with the weights' checksum; examples/chaos.py checks those logs.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import os
-import sys
 import time
 
-import numpy as np
+MAIN_STARTED = time.time()  # the interpreter is up; the imports start here (examples/chaos.py times them)
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -86,66 +100,103 @@ def checksum(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-# -- one replica ----------------------------------------------------------------------------------
+# -- one replica (or one rank of a replica group) ---------------------------------------------
 def train(replica_id: str, lighthouse: str, steps: int, *, dim: int = 32, hidden: int = 64,
           batch_size: int = 64, lr: float = 0.05, momentum: float = 0.9, seed: int = 0,
           log: str | None = None, step_sleep: float = 0.0, backend: str = "auto",
-          timeout: float = 10.0, quorum_timeout: float = 60.0) -> dict:
+          timeout: float = 10.0, quorum_timeout: float = 60.0, rank: int = 0, world_size: int = 1,
+          started: float | None = None) -> dict:
+    """Train until ``steps`` steps are committed.
+
+    With ``world_size`` > 1 this process is rank ``rank`` of a replica group
+    (its store at ``$MASTER_ADDR:$MASTER_PORT``, as ``distcomm run`` sets):
+    the group shards the weights and the optimizer state (rank i owns slice
+    i, as FSDP does), gathers the weights before each step, reduce-scatters
+    the gradients of its ranks' data, and its manager averages each rank's
+    slice with the same slice of the other replicas.
+    """
+    started = started or MAIN_STARTED
     from distcomm.ft import Manager
 
-    started = time.time()
+    imported = time.time()
     params = init_params(dim, hidden, seed + 1 + sum(map(ord, replica_id)))  # differs per replica:
     # init_sync makes every replica start from the first one's weights
-    velocity = {k: np.zeros_like(v) for k, v in params.items()}
-    # one flat buffer for all gradients: one all-reduce per step
-    total = sum(v.size for v in params.values())
-    flat = np.zeros(total, np.float32)
-    grads, pos = {}, 0
+    size = sum(v.size for v in params.values())
+    chunk = -(-size // world_size)
+    full = np.zeros(chunk * world_size, np.float32)  # every weight, in one flat buffer
+    flat_grad = np.zeros_like(full)
+    views, grads, pos = {}, {}, 0
     for k, v in params.items():
-        grads[k] = flat[pos : pos + v.size].reshape(v.shape)
+        views[k] = full[pos : pos + v.size].reshape(v.shape)
+        views[k][...] = v
+        grads[k] = flat_grad[pos : pos + v.size].reshape(v.shape)
         pos += v.size
-    shard = int("".join(c for c in replica_id if c.isdigit()) or 0)
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    # the state this rank owns: its slice of the weights and of the momentum
+    weights = full if world_size == 1 else full[mine].copy()
+    velocity = np.zeros_like(weights)
+    grad = flat_grad if world_size == 1 else np.zeros(chunk, np.float32)
+    shard = _replica_index(replica_id) * world_size + rank  # which part of each batch is ours
 
-    manager = Manager(replica_id, lighthouse, backend=backend, timeout=timeout, quorum_timeout=quorum_timeout)
-    manager.register_state_dict_fn("params", None, lambda: params)
-    manager.register_state_dict_fn("optimizer", None, lambda: velocity)
+    local = None
+    store = None
+    if world_size > 1:
+        import distcomm as dist
+        from distcomm.store import PrefixStore, TCPStore
+
+        tcp = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                       timeout=timeout)
+        # a fresh prefix per incarnation of the group (distcomm run counts its restarts)
+        store = PrefixStore(f"ft_train/{replica_id}/{os.environ.get('DISTCOMM_RESTART_COUNT', '0')}", tcp)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        local = dist
+    manager = Manager(replica_id, lighthouse, backend=backend, timeout=timeout, quorum_timeout=quorum_timeout,
+                      rank=rank, world_size=world_size, store=store)
+    manager.register_state_dict_fn("weights", None, lambda: weights)
+    manager.register_state_dict_fn("velocity", None, lambda: velocity)
     out = open(log, "a") if log else None
     first_contribution = None
+    ready = time.time()
     try:
         while manager.current_step() < steps:
             t0 = time.time()
             manager.start_quorum()
             step = manager.current_step()
+            if local is not None:
+                local.all_gather_into_tensor(full, weights)  # this step's weights, from every slice
             x, y = batch(step, shard, dim, batch_size, seed)
-            loss = forward_backward(params, x, y, grads)
+            loss = forward_backward(views, x, y, grads)
             if step_sleep:
                 time.sleep(step_sleep)  # stands for a heavier model
-            manager.allreduce(flat)
+            if local is not None:
+                local.reduce_scatter_tensor(grad, flat_grad)  # sum of this group's ranks, our slice
+                grad /= world_size
+            manager.allreduce(grad)  # the average over the replicas, slice by slice
             healing = manager.is_healing()
             committed = manager.should_commit()
             if committed:
-                for k in params:
-                    velocity[k] *= momentum
-                    velocity[k] += grads[k]
-                    params[k] -= lr * velocity[k]
+                velocity *= momentum
+                velocity += grad
+                weights -= lr * velocity
                 if not healing and first_contribution is None:
                     first_contribution = time.time()
             q = manager.quorum or {}
             if out is not None:
                 out.write(json.dumps({
-                    "replica": replica_id, "pid": os.getpid(), "step": manager.current_step(),
+                    "replica": replica_id, "rank": rank, "pid": os.getpid(), "step": manager.current_step(),
                     "committed": committed, "quorum_id": q.get("quorum_id"), "epoch": q.get("epoch"),
                     "members": [m["replica_id"] for m in q.get("members", [])], "healing": healing,
                     "participants": manager.num_participants(), "loss": loss,
-                    "checksum": checksum({**params, **{"v_" + k: v for k, v in velocity.items()}})
-                    if committed else None,
-                    "t": time.time(), "t0": t0, "started": started,
+                    "checksum": checksum({"w": weights, "v": velocity}) if committed else None,
+                    "t": time.time(), "t0": t0, "started": started, "imported": imported, "ready": ready,
                     "first_contribution": first_contribution,
                 }) + "\n")
                 out.flush()
-        result = {"replica": replica_id, "step": manager.current_step(),
-                  "checksum": checksum({**params, **{"v_" + k: v for k, v in velocity.items()}}),
-                  "eval_loss": eval_loss(params, dim, seed), "stats": manager.stats}
+        if local is not None:
+            local.all_gather_into_tensor(full, weights)
+        result = {"replica": replica_id, "rank": rank, "step": manager.current_step(),
+                  "checksum": checksum({"w": weights, "v": velocity}),
+                  "eval_loss": eval_loss(views, dim, seed), "stats": manager.stats}
         if out is not None:
             out.write(json.dumps({"final": True, **result, "t": time.time()}) + "\n")
         return result
@@ -153,11 +204,20 @@ def train(replica_id: str, lighthouse: str, steps: int, *, dim: int = 32, hidden
         if out is not None:
             out.close()
         manager.shutdown()
+        if local is not None:
+            local.destroy_process_group()
 
 
-def reference_run(replicas: int, steps: int, *, dim: int = 32, hidden: int = 64, batch_size: int = 64,
+def _replica_index(replica_id: str) -> int:
+    return int("".join(c for c in replica_id if c.isdigit()) or 0)
+
+
+def reference_run(shards: int, steps: int, *, dim: int = 32, hidden: int = 64, batch_size: int = 64,
                   lr: float = 0.05, momentum: float = 0.9, seed: int = 0, **_: object) -> float:
-    """The failure-free run, simulated in one process: its final eval loss."""
+    """The failure-free run, simulated in one process: its final eval loss.
+
+    ``shards``: the parts of each batch (replicas x ranks per replica).
+    """
     params = init_params(dim, hidden, seed + 1 + sum(map(ord, "r0")))  # init_sync: r0's weights
     velocity = {k: np.zeros_like(v) for k, v in params.items()}
     grads = {k: np.zeros_like(v) for k, v in params.items()}
@@ -165,14 +225,14 @@ def reference_run(replicas: int, steps: int, *, dim: int = 32, hidden: int = 64,
     for step in range(steps):
         for v in total.values():
             v[...] = 0
-        for shard in range(replicas):
+        for shard in range(shards):
             x, y = batch(step, shard, dim, batch_size, seed)
             forward_backward(params, x, y, grads)
             for k in total:
                 total[k] += grads[k]
         for k in params:
             velocity[k] *= momentum
-            velocity[k] += total[k] / replicas
+            velocity[k] += total[k] / shards
             params[k] -= lr * velocity[k]
     return eval_loss(params, dim, seed)
 
@@ -197,16 +257,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--timeout", type=float, default=10.0)
-    ap.add_argument("--log", help="append one JSON line per step to this file")
+    ap.add_argument("--step-log", help="append one JSON line per step to this file")
+    ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
+                    help="with --replica-id: this process's rank in its replica group (default $RANK)")
+    ap.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                    help="with --replica-id: ranks in the replica group (default $WORLD_SIZE)")
     args = ap.parse_args(argv)
     options = dict(dim=args.dim, hidden=args.hidden, batch_size=args.batch_size, lr=args.lr,
                    seed=args.seed, step_sleep=args.step_sleep, backend=args.backend,
-                   timeout=args.timeout, log=args.log)
+                   timeout=args.timeout, log=args.step_log)
     if args.replica_id:
         if not args.lighthouse:
             ap.error("--replica-id needs --lighthouse")
-        result = train(args.replica_id, args.lighthouse, args.steps, **options)
-        print(json.dumps(result["stats"] | {k: result[k] for k in ("replica", "step", "checksum", "eval_loss")}))
+        result = train(args.replica_id, args.lighthouse, args.steps, rank=args.rank,
+                       world_size=args.world_size, **options)
+        print(json.dumps(result["stats"] | {k: result[k] for k in ("replica", "rank", "step", "checksum",
+                                                                    "eval_loss")}))
         return 0
 
     import tempfile

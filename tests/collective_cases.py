@@ -161,6 +161,18 @@ def wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> bool:
     return True
 
 
+def error_facts(call: Callable[[], Any]) -> dict | None:
+    """Run ``call``; None if it returns, else its DistError's attributes, text and seconds taken."""
+    t0 = time.monotonic()
+    try:
+        call()
+    except dist.DistError as e:
+        return {"type": type(e).__name__, "text": str(e), "peer": e.peer, "op": e.op, "seq": e.seq,
+                "group": e.group, "timeout": e.timeout, "ranks": getattr(e, "ranks", None),
+                "seconds": time.monotonic() - t0}
+    return None
+
+
 def file_barrier(directory: str, name: str, rank: int, world_size: int, seconds: float = 30.0) -> None:
     """Wait until every rank touched ``name`` (synchronises ranks outside distcomm)."""
     open(os.path.join(directory, f"{name}.{rank}"), "w").close()

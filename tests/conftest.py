@@ -21,6 +21,18 @@ def _forkserver():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _flight_dumps_in_tmp(tmp_path_factory):
+    """Failing collectives dump the flight recorder; keep those dumps out of /tmp."""
+    old = os.environ.get("DISTCOMM_FLIGHT_RECORDER_DIR")
+    os.environ["DISTCOMM_FLIGHT_RECORDER_DIR"] = str(tmp_path_factory.mktemp("flight"))
+    yield
+    if old is None:
+        os.environ.pop("DISTCOMM_FLIGHT_RECORDER_DIR", None)
+    else:
+        os.environ["DISTCOMM_FLIGHT_RECORDER_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _machine_id_restored(monkeypatch):
     """Tests may pretend to be on another machine (DISTCOMM_HOST_ID); never beyond the test."""

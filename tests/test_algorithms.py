@@ -13,10 +13,17 @@ import pytest
 
 from distcomm import algorithms as alg
 from distcomm.algorithms import select
-from distcomm.algorithms._common import SCRATCH_SLOTS, SEGMENT_BYTES, nsegs, seg_elems
+from distcomm.algorithms._common import (
+    EAGER_WINDOW,
+    MAX_SEGMENT_BYTES,
+    SEGMENT_BYTES,
+    SEGMENTS_PER_BLOCK,
+    nsegs,
+    seg_elems,
+)
 from distcomm.deadline import Deadline
 from distcomm.errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
-from distcomm.transport.base import MAX_STEP, Channel
+from distcomm.transport.base import EAGER_STEP, MAX_STEP, Channel, is_eager
 from distcomm.transport.inproc import InProcHub, run_threads
 
 pytestmark = pytest.mark.timeout(60)
@@ -485,7 +492,7 @@ def test_scratch_is_reused_and_rss_stays_flat():
     for before, after, pool in results:
         assert after - before < 4096, (before, after)  # KiB
         assert len(pool) == 1
-        assert pool[0] <= SCRATCH_SLOTS * (SEGMENT_BYTES + 64)
+        assert pool[0] <= 2 * BIG * 4  # at most the eager part of the largest message, about twice
 
 
 def test_explicit_scratch_is_used():
@@ -497,14 +504,17 @@ def test_explicit_scratch_is_used():
         return a
 
     assert all((a == 2).all() for a in run_threads(2, fn))
-    assert all(0 < s.nbytes <= SCRATCH_SLOTS * (SEGMENT_BYTES + 64) for s in scratches)
+    assert all(0 < s.nbytes <= 2 * BIG * 8 for s in scratches)
 
 
 def test_segments_fit_the_tag_space():
     for itemsize, longest, phases in itertools.product((1, 8), (10, 2**20, 2**40), (1, 16, 2000)):
         seg = seg_elems(itemsize, longest, phases)
-        assert phases * nsegs(longest, seg) <= MAX_STEP
+        assert phases * nsegs(longest, seg) < EAGER_STEP <= MAX_STEP  # (the eager bit stays free)
     assert seg_elems(4, 10**6, 2) == SEGMENT_BYTES // 4
+    # large blocks are cut in SEGMENTS_PER_BLOCK pieces, up to MAX_SEGMENT_BYTES each
+    assert seg_elems(4, 8 * 2**20, 2) == 8 * 2**20 // SEGMENTS_PER_BLOCK
+    assert seg_elems(1, 2**30, 2) == MAX_SEGMENT_BYTES
 
 
 def test_world_of_one_copies_or_does_nothing():
@@ -649,3 +659,22 @@ def test_no_two_messages_share_pair_and_tag(name):
 def test_small_message_counts(name, messages):
     """Messages sent in all by 8 ranks for a 16-element array (no segmentation)."""
     assert len(record(name, 8, 16)) == messages
+
+
+@pytest.mark.parametrize("name", ["allreduce-ring", "allreduce-tree", "broadcast-chain",
+                                  "broadcast-binomial", "reduce-binomial", "reduce_scatter-direct"])
+def test_eager_messages_are_the_first_window_of_each_stream(name):
+    """Only the first EAGER_WINDOW bytes (and at least one message) of what one rank
+    sends another in a collective are marked eager, so receivers can post them all
+    as they start; small collectives go eager whole."""
+    for size, length in ((3, 6 * 2**20), (4, 16)):  # float64: 48 MiB, segmented; tiny
+        streams: dict = {}
+        for src, dst, tag, nbytes in record(name, size, length):
+            streams.setdefault((src, dst), []).append((is_eager(tag), nbytes))
+        for msgs in streams.values():
+            flags = [e for e, _ in msgs]
+            k = flags.count(True)
+            assert k >= 1 and flags == [True] * k + [False] * (len(flags) - k), name
+            assert sum(n for e, n in msgs if e) <= max(EAGER_WINDOW, msgs[0][1]), name
+        if length == 16:
+            assert all(e for msgs in streams.values() for e, _ in msgs), name

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from bf16_modes import BF16_MODES, ml_dtypes, use_bf16_mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -27,26 +28,20 @@ from distcomm.arrays import (
 from distcomm.errors import DistInputError, DistTypeError
 
 try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - the bits path is still tested
-    ml_dtypes = None
-
-try:
     import torch
 except ImportError:  # pragma: no cover
     torch = None
 
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
-NUMPY_DTYPES = [n for n in DTYPE_NAMES if n != "bfloat16"]
 
 
-@pytest.fixture(params=["ml_dtypes", "bits"])
+@pytest.fixture(params=BF16_MODES)
 def bf16_mode(request, monkeypatch):
     """Run a test with bfloat16 stored as ml_dtypes.bfloat16, then as uint16 bits."""
-    if request.param == "ml_dtypes" and ml_dtypes is None:
-        pytest.skip("ml_dtypes is not installed")
-    monkeypatch.setattr(arrays, "USE_ML_DTYPES", request.param == "ml_dtypes")
-    return request.param
+    return use_bf16_mode(request.param, monkeypatch)
+
+
+NUMPY_DTYPES = [n for n in DTYPE_NAMES if n != "bfloat16"]
 
 
 def _bf16_storage(mode):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from raw_sockets import closed_by_peer, raw_connect, recv_n
 
 import distcomm
 from distcomm import object_collectives as oc
@@ -42,32 +43,6 @@ def master():
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=10, auth_token=TOKEN)
     yield store
     store.close()
-
-
-def _raw(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5)
-
-
-def _recv_n(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-    sock.settimeout(5)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 # -- tokens --------------------------------------------------------------------------------------
@@ -163,13 +138,13 @@ def test_unauthenticated_clients_are_refused_logged_and_harm_nobody(master, toke
 
 def test_a_wrong_proof_gets_auth_failed_and_is_dropped(master, caplog):
     caplog.set_level(logging.WARNING, logger="distcomm.store")
-    sock = _raw(master.port)
+    sock = raw_connect(master.port)
     sock.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, p.FLAG_AUTH) + auth.nonce())
-    reply = _recv_n(sock, p.HANDSHAKE_REPLY.size + auth.NONCE_BYTES + auth.MAC_BYTES)
+    reply = recv_n(sock, p.HANDSHAKE_REPLY.size + auth.NONCE_BYTES + auth.MAC_BYTES)
     assert p.HANDSHAKE_REPLY.unpack_from(reply)[2] == p.HS_CHALLENGE
     sock.sendall(os.urandom(auth.MAC_BYTES))
-    assert p.HANDSHAKE_REPLY.unpack(_recv_n(sock, 8))[2] == p.HS_AUTH_FAILED
-    assert _closed_by_peer(sock)
+    assert p.HANDSHAKE_REPLY.unpack(recv_n(sock, 8))[2] == p.HS_AUTH_FAILED
+    assert closed_by_peer(sock)
     sock.close()
     assert any("authentication failed" in r.getMessage() for r in caplog.records)
     master.set("x", b"1")
@@ -205,18 +180,18 @@ def test_the_environment_variable_sets_the_token(monkeypatch):
 def test_version_1_handshakes_are_unchanged_without_a_token_and_refused_with_one(master):
     plain = StoreServer("127.0.0.1", 0, auth_token="")
     try:
-        sock = _raw(plain.port)
+        sock = raw_connect(plain.port)
         sock.sendall(p.HANDSHAKE.pack(p.MAGIC, 1, 0))
-        assert p.HANDSHAKE_REPLY.unpack(_recv_n(sock, 8)) == (p.MAGIC, 1, p.HS_OK, 0)
+        assert p.HANDSHAKE_REPLY.unpack(recv_n(sock, 8)) == (p.MAGIC, 1, p.HS_OK, 0)
         sock.sendall(p.frame(p.PING))
-        assert _recv_n(sock, 5) == p.frame(p.OK)
+        assert recv_n(sock, 5) == p.frame(p.OK)
         sock.close()
     finally:
         plain.close()
-    sock = _raw(master.port)
+    sock = raw_connect(master.port)
     sock.sendall(p.HANDSHAKE.pack(p.MAGIC, 1, 0))
-    assert p.HANDSHAKE_REPLY.unpack(_recv_n(sock, 8)) == (p.MAGIC, 1, p.HS_AUTH_REQUIRED, 0)
-    assert _closed_by_peer(sock)
+    assert p.HANDSHAKE_REPLY.unpack(recv_n(sock, 8)) == (p.MAGIC, 1, p.HS_AUTH_REQUIRED, 0)
+    assert closed_by_peer(sock)
     sock.close()
 
 
@@ -224,8 +199,8 @@ def test_silent_and_half_authenticated_connections_are_dropped_without_slowing_a
     caplog.set_level(logging.WARNING, logger="distcomm.store")
     server = StoreServer("127.0.0.1", 0, auth_token=TOKEN, handshake_timeout=0.3)
     client = TCPStore("127.0.0.1", server.port, timeout=10, auth_token=TOKEN)
-    silent = [_raw(server.port) for _ in range(5)]
-    half = _raw(server.port)
+    silent = [raw_connect(server.port) for _ in range(5)]
+    half = raw_connect(server.port)
     half.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, p.FLAG_AUTH) + auth.nonce())  # never proves
     try:
         t0 = time.monotonic()
@@ -234,7 +209,7 @@ def test_silent_and_half_authenticated_connections_are_dropped_without_slowing_a
             assert client.get(f"k{i}") == b"v"
         assert time.monotonic() - t0 < 1
         for s in [*silent, half]:
-            assert _closed_by_peer(s)
+            assert closed_by_peer(s)
         assert server.num_connections == 1
         assert any("no handshake within 0.3 s" in r.getMessage() for r in caplog.records)
     finally:
@@ -355,9 +330,9 @@ def test_an_unauthenticated_hello_is_refused_and_the_job_goes_on(caplog):
         host, _, port = t1.address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=5)
         sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, JOB, 0))  # right job token, no proof
-        reply = _recv_n(sock, w.HELLO.size)
+        reply = recv_n(sock, w.HELLO.size)
         assert w.HELLO.unpack(reply)[2] & w.REFUSED
-        assert _closed_by_peer(sock)
+        assert closed_by_peer(sock)
         sock.close()
         _exchange(t0, t1)
         assert any("unauthenticated connection refused" in r.getMessage() for r in caplog.records)

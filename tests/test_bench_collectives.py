@@ -31,6 +31,7 @@ from distcomm.bench.collectives import (
     run_collectives_benchmark,
 )
 from distcomm.cli import build_parser, main
+from distcomm.testing import pid_alive
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
@@ -409,9 +410,9 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path) -> None:
             proc.kill()
             proc.wait()
     gone = time.monotonic() + 10
-    while time.monotonic() < gone and any(_alive(p) for p in family):
+    while time.monotonic() < gone and any(pid_alive(p) for p in family):
         time.sleep(0.1)
-    assert not [p for p in family if _alive(p)], f"left running: {family}"
+    assert not [p for p in family if pid_alive(p)], f"left running: {family}"
 
 
 def _descendants(root: int) -> set[int]:
@@ -432,10 +433,3 @@ def _descendants(root: int) -> set[int]:
         todo += kids
     return out
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

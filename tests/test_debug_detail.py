@@ -1,8 +1,8 @@
 """DISTCOMM_DEBUG=DETAIL: mismatched collectives raise DistDesyncError on every rank, naming what each passed.
 
 One job per backend (3 ranks) runs every mismatch in turn, each on a group of
-its own; afterwards that group still works (tcp, several machines) or fails at
-once quoting the mismatch (shared memory, whose slot bookkeeping went apart).
+its own; afterwards that group still works (the check runs before any rank
+uses a peer's data).
 """
 
 from __future__ import annotations
@@ -102,11 +102,7 @@ def test_detail_mismatches_raise_on_every_rank(backend):
             assert e is not None and e["type"] == "DistDesyncError", (rank, case, e)
             assert e["backend_error"] and "\n" not in e["text"]
             assert len(e["calls"]) == ws
-            after = r[case + "_after"]
-            if backend == "shm":  # the ranks' slot bookkeeping went apart: the group is broken
-                assert "broken by an earlier failure" in after and "DETAIL" in after, (case, after)
-            else:  # nothing moved: the group goes on
-                assert after == "ok", (case, after)
+            assert r[case + "_after"] == "ok", (case, r[case + "_after"])  # nothing moved: the group goes on
         assert "rank 0 called all_reduce of shape (10,) float32 (SUM) while ranks 1, 2 passed shape (20,)" \
             in r["shape"]["text"]
         assert "ranks 0, 2 called all_reduce of shape (1048576,) float32 (SUM) while rank 1 passed shape " \

@@ -7,25 +7,13 @@ covers every case.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
-from collective_cases import BACKENDS, init, run_world
+from collective_cases import BACKENDS, error_facts, init, run_world
 
 import distcomm as dist
 
 TIMEOUT = 1.0
-
-
-def _timed(call) -> dict | None:
-    t0 = time.monotonic()
-    try:
-        call()
-    except dist.DistError as e:
-        return {"type": type(e).__name__, "text": str(e), "peer": e.peer, "ranks": getattr(e, "ranks", None),
-                "seconds": time.monotonic() - t0, "timeout": e.timeout, "seq": e.seq, "op": e.op}
-    return None
 
 
 def run_monitored(rank: int, world_size: int, backend: str, port: int) -> dict:
@@ -36,16 +24,16 @@ def run_monitored(rank: int, world_size: int, backend: str, port: int) -> dict:
         out["ok"] = True
         first, second, third = (dist.new_group() for _ in range(3))
         if rank != 1:
-            out["first"] = _timed(lambda: dist.monitored_barrier(first, timeout=TIMEOUT))
+            out["first"] = error_facts(lambda: dist.monitored_barrier(first, timeout=TIMEOUT))
         if rank in (0, 3):
-            out["all"] = _timed(lambda: dist.monitored_barrier(second, timeout=TIMEOUT, wait_all_ranks=True))
-            out["barrier"] = _timed(lambda: dist.barrier(third, timeout=TIMEOUT))
+            out["all"] = error_facts(lambda: dist.monitored_barrier(second, timeout=TIMEOUT, wait_all_ranks=True))
+            out["barrier"] = error_facts(lambda: dist.barrier(third, timeout=TIMEOUT))
         # ranks 1 (and 2) wait here, alive, while the others find them missing elsewhere
         t = np.ones(2, np.float32)
         dist.all_reduce(t)  # the default group is untouched
         out["world"] = t.tolist()
         if rank == 1:  # the group rank 0 gave up on fails at once here too
-            out["late"] = _timed(lambda: dist.monitored_barrier(first, timeout=10))
+            out["late"] = error_facts(lambda: dist.monitored_barrier(first, timeout=10))
     finally:
         dist.destroy_process_group()
     return out

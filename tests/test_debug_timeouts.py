@@ -10,22 +10,12 @@ import time
 
 import numpy as np
 import pytest
-from collective_cases import BACKENDS, init, run_world
+from collective_cases import BACKENDS, error_facts, init, run_world
 
 import distcomm as dist
 from distcomm.debug import levels, log
 
 SHORT = 1.0
-
-
-def _err(call) -> dict | None:
-    t0 = time.monotonic()
-    try:
-        call()
-    except dist.DistError as e:
-        return {"type": type(e).__name__, "text": str(e), "peer": e.peer, "op": e.op, "seq": e.seq,
-                "group": e.group, "timeout": e.timeout, "seconds": time.monotonic() - t0}
-    return None
 
 
 def run_silent_peer(rank: int, world_size: int, backend: str, port: int) -> dict:
@@ -42,18 +32,18 @@ def run_silent_peer(rank: int, world_size: int, backend: str, port: int) -> dict
             dist.all_reduce(np.ones(4, np.float32), group=sub2)
             dist.barrier()
             return out
-        out["timeout"] = _err(lambda: dist.all_reduce(np.ones(4, np.float32), group=sub))
-        out["again"] = _err(lambda: dist.broadcast(np.ones(4, np.float32), src=0, group=sub))
+        out["timeout"] = error_facts(lambda: dist.all_reduce(np.ones(4, np.float32), group=sub))
+        out["again"] = error_facts(lambda: dist.broadcast(np.ones(4, np.float32), src=0, group=sub))
         w = dist.all_reduce(np.ones(4, np.float32), group=sub2, async_op=True)
-        out["wait"] = _err(lambda: w.wait(timeout=0.5))
+        out["wait"] = error_facts(lambda: w.wait(timeout=0.5))
         dist.barrier()
-        out["wait_later"] = _err(w.wait)
+        out["wait_later"] = error_facts(w.wait)
         w3 = dist.all_reduce(np.ones(4, np.float32), group=sub3, async_op=True)
         t0 = time.monotonic()
         sub3.abort()
         out["abort_seconds"] = time.monotonic() - t0
-        out["aborted"] = _err(w3.wait)
-        out["recv"] = _err(lambda: dist.recv(np.ones(4, np.float32), src=1, group=sub4))
+        out["aborted"] = error_facts(w3.wait)
+        out["recv"] = error_facts(lambda: dist.recv(np.ones(4, np.float32), src=1, group=sub4))
         dist.barrier()
     finally:
         t0 = time.monotonic()

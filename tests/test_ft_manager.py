@@ -92,3 +92,41 @@ def test_chaos_bounded():
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["ok"], report["problems"]
     assert report["kills"] >= 1, report  # 3 planned; a slow machine restarts slowly
+
+
+_AUTH_REPLICA = """
+import sys
+import numpy as np
+from distcomm.ft import Manager
+m = Manager(sys.argv[1], sys.argv[2], timeout=5, quorum_timeout=20)
+w = np.zeros(4)
+m.register_state_dict_fn("w", None, lambda: w)
+try:
+    m.start_quorum()
+    m.should_commit()
+    print("no error")
+except Exception as e:
+    print(type(e).__name__, e)
+finally:
+    m.shutdown()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_replicas_with_different_auth_tokens_fail_with_what_to_do():
+    """Each `distcomm run` draws its own token unless one is set: replicas must share one."""
+    with LighthouseThread(min_replicas=2, join_timeout=0.5) as lh:
+        procs = [subprocess.Popen([sys.executable, "-c", _AUTH_REPLICA, f"r{i}", lh.address],
+                                  env=dict(os.environ, DISTCOMM_AUTH_TOKEN=f"token-{i}",
+                                           DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE="0"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 for i in range(2)]
+        try:
+            out1 = procs[1].communicate(timeout=60)[0]  # r1 joins the group on r0's store
+        finally:
+            procs[0].kill()
+            procs[0].communicate()
+            procs[1].kill()
+            procs[1].wait()
+    assert out1.startswith("DistAuthenticationError replica r1 cannot join the group on r0's store"), out1
+    assert "every replica must use the same DISTCOMM_AUTH_TOKEN" in out1

@@ -3,8 +3,11 @@ new_subgroups_by_enumeration, split_group, rank translation, use_local_synchroni
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from collective_cases import BACKENDS, BIG_WORLD, Report, run_groups, run_world
+from collective_cases import BACKENDS, BIG_WORLD, Report, init, run_groups, run_world
+
+import distcomm as dist
 
 
 def check_reports(reports: list[Report]) -> None:
@@ -18,3 +21,59 @@ def check_reports(reports: list[Report]) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_groups(backend, world_size):
     check_reports(run_world(run_groups, world_size, backend, timeout=90))
+
+
+def _torch_spellings(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """torch's ``dist.group.WORLD`` names the default group here too."""
+    init(rank, world_size, backend, port)
+    bad = []
+    if dist.group.WORLD is not dist.GroupMember.WORLD or dist.group.WORLD is None:
+        bad.append(f"group.WORLD is {dist.group.WORLD!r}")
+    x = np.full(3, rank + 1.0)
+    dist.all_reduce(x, group=dist.group.WORLD)
+    if not (x == sum(range(1, world_size + 1))).all():
+        bad.append(f"all_reduce over group.WORLD gave {x}")
+    dist.destroy_process_group()
+    if dist.group.WORLD is not None:
+        bad.append("group.WORLD outlived destroy_process_group()")
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_world_is_the_default_group(backend):
+    for bad in run_world(_torch_spellings, 3, backend, timeout=45):
+        assert not bad, bad
+
+
+def _tcp_subgroup(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """``new_group(backend="tcp")`` in a world of another backend opens its own connections."""
+    init(rank, world_size, backend, port)
+    bad = []
+    members = [0, world_size - 1]
+    sub = dist.new_group(members, backend="tcp")
+    if rank in members:
+        if dist.get_backend(sub) != "tcp":
+            bad.append(f"subgroup backend {dist.get_backend(sub)}")
+        x = np.full(4, float(rank))
+        dist.all_reduce(x, group=sub)
+        if not (x == sum(members)).all():
+            bad.append(f"tcp subgroup all_reduce gave {x}")
+        y = np.arange(3.0) if rank == members[-1] else np.zeros(3)
+        dist.broadcast(y, src=members[-1], group=sub)
+        if not (y == np.arange(3.0)).all():
+            bad.append(f"tcp subgroup broadcast gave {y}")
+        dist.destroy_process_group(sub)
+    z = np.ones(2)
+    dist.all_reduce(z)  # the world is untouched
+    if not (z == world_size).all():
+        bad.append(f"world all_reduce after the subgroup gave {z}")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["shm", "auto"])
+def test_a_tcp_subgroup_of_a_shared_memory_world(backend):
+    for bad in run_world(_tcp_subgroup, 3, backend, timeout=45):
+        assert not bad, bad

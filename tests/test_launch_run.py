@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from distcomm.testing import free_port
+from distcomm.testing import free_port, pid_alive
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -90,14 +90,6 @@ def env_lines(stdout: str) -> dict[int, dict]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def wait_pids(d: Path, n: int, timeout: float = 30) -> list[int]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -110,9 +102,9 @@ def wait_pids(d: Path, n: int, timeout: float = 30) -> list[int]:
 
 def assert_gone(pids: list[int], within: float = 3.0) -> None:
     end = time.monotonic() + within
-    while any(alive(p) for p in pids) and time.monotonic() < end:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.02)
-    assert not [p for p in pids if alive(p)], "workers outlived the launcher"
+    assert not [p for p in pids if pid_alive(p)], "workers outlived the launcher"
 
 
 # -- the environment and the output ---------------------------------------------------
@@ -199,7 +191,7 @@ def test_a_failing_worker_stops_the_others(tmp_path, how):
     elapsed = time.monotonic() - t0
     assert out.returncode == 1
     pids = wait_pids(tmp_path, 3, timeout=1)
-    assert not [p for p in pids if alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
     assert elapsed < 10  # the others went at SIGTERM, not after the grace
     exit_text = "was killed by SIGKILL" if how == "signal" else "exited with code 3"
     report = [line for line in out.stderr.splitlines() if line.startswith("distcomm run:")]

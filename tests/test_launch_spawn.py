@@ -12,6 +12,7 @@ import pytest
 import distcomm as dist
 from distcomm.errors import DistInputError
 from distcomm.launch.spawn import ProcessExitedException, ProcessRaisedException
+from distcomm.testing import pid_alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,14 +42,6 @@ def _fail(rank: int, out_dir: str, how: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def test_spawn_runs_fn_with_rank_and_the_environment_for_init(tmp_path):
     assert dist.spawn(_allreduce, args=(str(tmp_path),), nprocs=3) is None
     got = sorted((tmp_path / f"rank{r}").read_text() for r in range(3))
@@ -63,7 +56,7 @@ def test_a_failing_child_is_raised_in_the_parent_and_the_others_stopped(tmp_path
     assert e.rank == e.error_index == 1
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(3)]
     assert e.pid == pids[1]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
     if how == "raise":
         assert isinstance(e, ProcessRaisedException)
         assert str(e).startswith("process 1 of 3 (pid ")

@@ -99,6 +99,107 @@ def test_blocking_collectives_under_mpirun(tmp_path):
     check(report, cases)
 
 
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_nonblocking_collectives_under_mpirun(tmp_path):
+    """DISTCOMM_MPI_COLLECTIVES=nonblocking: every size through MPI's non-blocking collectives
+    (by default those of 64 KiB and more are blocking ones), same results."""
+    cases = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "async",
+             "destroy_pending"]
+    report = mpirun(2, str(tmp_path / "report.json"), cases, str(tmp_path),
+                    env={"DISTCOMM_MPI_COLLECTIVES": "nonblocking"}, timeout=70)
+    check(report, cases)
+
+
+class _FakeComm:
+    """Records which MPI call a collective made."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def Get_rank(self):  # noqa: N802 - mpi4py's names
+        return 0
+
+    def Get_size(self):  # noqa: N802
+        return 2
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return _FakeRequest()
+
+        return call
+
+
+class _FakeRequest:
+    def Test(self, status=None):  # noqa: N802
+        return True
+
+
+@pytest.mark.parametrize("mode, multiple, small, large, barrier", [
+    ("auto", True, "Iallreduce", "Allreduce", "Ibarrier"),
+    ("nonblocking", True, "Iallreduce", "Iallreduce", "Ibarrier"),
+    ("blocking", True, "Allreduce", "Allreduce", "Barrier"),
+    ("blocking", False, "Iallreduce", "Iallreduce", "Ibarrier"),  # no MPI_THREAD_MULTIPLE
+])
+def test_form_of_each_collective_depends_only_on_what_every_rank_agrees_on(monkeypatch, mode, multiple, small,
+                                                                           large, barrier):
+    """MPI never matches a blocking collective with a non-blocking one: the form follows the mode
+    and the size (the same on every rank), never async_op or what else is in flight."""
+    from distcomm.backends import mpi
+    from distcomm.deadline import Deadline
+    from distcomm.reduce_op import op_combiner
+
+    class FakeMPI:
+        IN_PLACE = object()
+        Exception = RuntimeError
+        FLOAT, UINT32_T, UINT64_T, DATATYPE_NULL, SUM = "FLOAT", "UINT32_T", "UINT64_T", None, "SUM"
+
+    class FakeRuntime:
+        MPI = FakeMPI()
+        lock = __import__("contextlib").nullcontext()
+
+        def call(self, what, fn, *args):
+            return fn(*args)
+
+    rt = FakeRuntime()
+    rt.multiple = multiple
+    monkeypatch.setenv("DISTCOMM_MPI_COLLECTIVES", mode)
+    comm = _FakeComm()
+    coll = mpi.MpiCollectives(rt, comm, "g")
+    _, combine = op_combiner("sum", "float32")
+    for n in (2, mpi.BLOCKING_BYTES // 4 - 1):
+        coll.allreduce(np.zeros(n, np.float32), combine, 1, Deadline(5))
+    coll.allreduce(np.zeros(mpi.BLOCKING_BYTES // 4, np.float32), combine, 1, Deadline(5))
+    coll.barrier(1, Deadline(5))
+    assert comm.calls == [small, small, large, barrier]
+
+
+def test_bad_collectives_mode_is_one_clear_line(monkeypatch):
+    from distcomm.backends import mpi
+
+    monkeypatch.setenv("DISTCOMM_MPI_COLLECTIVES", "sometimes")
+    with pytest.raises(dist.DistInputError, match="expected one of 'auto', 'nonblocking', 'blocking'"):
+        mpi.collectives_mode()
+
+
+@needs_mpi
+@pytest.mark.timeout(150)
+def test_bench_mpi_runs_both_in_one_job(tmp_path):
+    """`distcomm bench mpi`: distcomm's and raw mpi4py's all_reduce timed in one mpirun job (perf smoke,
+    not timed: only that it measures both, checks the result and reports the ratio)."""
+    out = tmp_path / "mpi.json"
+    proc = subprocess.run([sys.executable, "-m", "distcomm", "bench", "mpi", "--sizes", "8B,64KiB",
+                           "--repeat", "2", "--block-seconds", "0.01", "--json", str(out)],
+                          capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "target: 8 B" in proc.stdout and "load average" in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    assert [s["bytes"] for s in res["sizes"]] == [8, 65536]
+    for s in res["sizes"]:
+        assert s["correct"] and s["ratio_median"] > 0 and len(s["blocks"]["distcomm"]) == 2
+
+
 # -- outside an MPI job (this process) ------------------------------------------------------
 
 

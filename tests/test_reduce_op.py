@@ -12,6 +12,9 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from bf16_modes import BF16_MODES, ml_dtypes, use_bf16_mode
+from collective_cases import kind as kind_of
+from collective_cases import op_valid
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -31,17 +34,19 @@ from distcomm.reduce_op import (
 )
 
 try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - the bits path is still tested
-    ml_dtypes = None
-
-try:
     import torch
     import torch.distributed as tdist
 except ImportError:  # pragma: no cover
     torch = tdist = None
 
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+
+@pytest.fixture(params=BF16_MODES)
+def bf16_mode(request, monkeypatch):
+    """Run a test with bfloat16 stored as ml_dtypes.bfloat16, then as uint16 bits."""
+    return use_bf16_mode(request.param, monkeypatch)
+
 
 OP_NAMES = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
 INTS = {
@@ -53,37 +58,8 @@ COMPLEX = ["complex64", "complex128"]
 HALF = 0.5  # the PREMUL_SUM factor used in the matrix
 
 
-@pytest.fixture(params=["ml_dtypes", "bits"])
-def bf16_mode(request, monkeypatch):
-    """Run a test with bfloat16 stored as ml_dtypes.bfloat16, then as uint16 bits."""
-    if request.param == "ml_dtypes" and ml_dtypes is None:
-        pytest.skip("ml_dtypes is not installed")
-    monkeypatch.setattr(arrays, "USE_ML_DTYPES", request.param == "ml_dtypes")
-    return request.param
-
-
 def op_of(name):
     return make_premul_sum(HALF) if name == "PREMUL_SUM" else getattr(ReduceOp, name)
-
-
-def kind_of(dtype):
-    if dtype == "bool":
-        return "b"
-    if dtype in INTS:
-        return "i"
-    return "c" if dtype in COMPLEX else "f"
-
-
-def is_valid(name, dtype):
-    """The rules, restated: bitwise needs bool/int, order needs non-complex, AVG/PREMUL need float."""
-    kind = kind_of(dtype)
-    if name in ("BAND", "BOR", "BXOR"):
-        return kind in "bi"
-    if name in ("MIN", "MAX"):
-        return kind != "c"
-    if name in ("AVG", "PREMUL_SUM"):
-        return kind in "fc"
-    return True
 
 
 # -- ReduceOp -----------------------------------------------------------------------------
@@ -180,7 +156,7 @@ def test_torch_ops_are_accepted_by_name():
 @pytest.mark.parametrize("name", OP_NAMES)
 def test_check_op_matrix(name, dtype):
     op = op_of(name)
-    if is_valid(name, dtype):
+    if op_valid(name, dtype):
         assert check_op(op, dtype) is op
         assert callable(combiner(op, dtype))
         return
@@ -271,7 +247,7 @@ def sample(dtype, n, rng):
     return values.astype(dtype)
 
 
-VALID = [(n, d) for n in OP_NAMES for d in DTYPE_NAMES if d != "bfloat16" and is_valid(n, d)]
+VALID = [(n, d) for n in OP_NAMES for d in DTYPE_NAMES if d != "bfloat16" and op_valid(n, d)]
 
 
 @pytest.mark.parametrize("name, dtype", VALID)
@@ -467,7 +443,7 @@ def random_bf16_bits(rng, n):
     return [bf16_round(float(v)) for v in rng.normal(0, 50, n)]
 
 
-@pytest.mark.parametrize("name", [n for n in OP_NAMES if is_valid(n, "bfloat16")])
+@pytest.mark.parametrize("name", [n for n in OP_NAMES if op_valid(n, "bfloat16")])
 def test_bf16_matches_python(name, bf16_mode):
     rng = np.random.default_rng(7)
     columns = [random_bf16_bits(rng, 40) for _ in range(3)]

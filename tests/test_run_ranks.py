@@ -19,6 +19,7 @@ from distcomm.testing import (
     check_no_leaks,
     find_leaks,
     free_port,
+    pid_alive,
     run_ranks,
     snapshot,
 )
@@ -434,14 +435,6 @@ if __name__ == "__main__":
 """
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("context", ["forkserver", "spawn"])
 def test_ranks_die_with_a_killed_caller(tmp_path, context):
     import distcomm
@@ -460,11 +453,11 @@ def test_ranks_die_with_a_killed_caller(tmp_path, context):
             assert time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.05)
         rank_pids = [int(p.read_text()) for p in pids.glob("*.pid")]
-        assert all(_pid_alive(pid) for pid in rank_pids)
+        assert all(pid_alive(pid) for pid in rank_pids)
     finally:
         caller.kill()
         caller.wait()
     deadline = time.monotonic() + 10
-    while any(_pid_alive(pid) for pid in rank_pids):
+    while any(pid_alive(pid) for pid in rank_pids):
         assert time.monotonic() < deadline, f"ranks {rank_pids} outlived their caller"
         time.sleep(0.05)

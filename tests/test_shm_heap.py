@@ -228,6 +228,7 @@ def _coll_rank(rank: int, world_size: int, backend: str, port: int, pattern: str
         if not np.array_equal(r_in, big[rank]):
             bad.append(f"reduce_scatter_tensor {count} {dtype} changed its input")
     out["direct"] = pg.algorithms.direct_calls
+    out["remote"] = pg.algorithms.remote_calls
     dist.destroy_process_group()
     return out
 
@@ -239,38 +240,65 @@ def _check(results: list[dict]) -> None:
         assert r["digests"] == results[0]["digests"]
 
 
-#: Direct collectives of one _coll_rank run when every rank's arrays are in its heap
-#: (world size > 1): per large case all_reduce x2 (x1 for bfloat16), broadcast x1-2,
-#: all_gather_into_tensor x2, reduce_scatter_tensor x1.
-def _direct_expected(world_size: int) -> int:
-    roots = len({0, world_size - 1})
-    large = [(c, d) for c, d in _CASES if c * storage(d).itemsize > 64 * 1024]
-    return sum((1 if d == "bfloat16" else 2) + roots + 3 for _, d in large)
+#: DISTCOMM_SHM_REMOTE_BYTES of these tests: the smallest private array peers read in place.
+_REMOTE_BYTES = 256 * 1024
+_REMOTE_ENV = {"DISTCOMM_SHM_REMOTE_BYTES": str(_REMOTE_BYTES)}
+
+
+def _expected(pattern: str, remote: bool) -> tuple[int, int]:
+    """(direct, remote) collectives of one _coll_rank run: direct when every array is in
+    its heap, remote (peers' private arrays read in place) when ``remote`` and the private
+    arrays are at least :data:`_REMOTE_BYTES` (all_reduce and all_gather_into_tensor only);
+    large means > 64 KiB."""
+    n = len(pattern)
+    direct = far = 0
+    if n == 1:
+        return 0, 0
+
+    def count(nbytes: int, heap: list[bool], times: int = 1, readable: bool = True) -> None:
+        nonlocal direct, far
+        if nbytes <= 64 * 1024:
+            return
+        if all(heap):
+            direct += times
+        elif remote and readable and nbytes >= _REMOTE_BYTES:
+            far += times
+
+    every = [c == "h" for c in pattern]
+    for c, d in _CASES:
+        isz = storage(d).itemsize
+        count(c * isz, every, 1 if d == "bfloat16" else 2)  # all_reduce (and MAX)
+        for root in {0, n - 1}:
+            count(c * isz, [every[root]], readable=False)  # broadcast: the root decides
+        count(c * n * isz, every, 2)  # all_gather_into_tensor x2
+        count(c * n * isz, every, readable=False)  # reduce_scatter_tensor: heaps only
+    return direct, far
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_collectives_on_heap_arrays_go_direct_and_match_numpy(world_size):
-    results = run_world(_coll_rank, world_size, "shm", "h" * world_size, timeout=80)
+    results = run_world(_coll_rank, world_size, "shm", "h" * world_size, timeout=80, env=_REMOTE_ENV)
     _check(results)
-    want = _direct_expected(world_size) if world_size > 1 else 0
-    assert [r["direct"] for r in results] == [want] * world_size
+    want = _expected("h" * world_size, remote=True)
+    assert [(r["direct"], r["remote"]) for r in results] == [want] * world_size
 
 
-@pytest.mark.parametrize("pattern", ["hp", "php"])
-def test_a_mix_of_heap_and_private_arrays_falls_back(pattern):
-    results = run_world(_coll_rank, len(pattern), "shm", pattern, timeout=80)
+@pytest.mark.parametrize("remote", [True, False])
+@pytest.mark.parametrize("pattern", ["hp", "php", "pp", "ppp"])
+def test_private_arrays_are_read_in_place_or_copied(pattern, remote):
+    """Peers read private arrays in their process (cross-memory attach) unless that is
+    off (DISTCOMM_SHM_CMA=0), when a mix falls back to copying through the slots."""
+    env = _REMOTE_ENV if remote else {"DISTCOMM_SHM_CMA": "0"}
+    results = run_world(_coll_rank, len(pattern), "shm", pattern, timeout=80, env=env)
     _check(results)
-    # only a broadcast from a heap array still goes direct (the root alone decides)
-    roots = {0, len(pattern) - 1}
-    large = sum(1 for c, d in _CASES if c * storage(d).itemsize > 64 * 1024)
-    want = large * sum(1 for root in roots if pattern[root] == "h")
-    assert [r["direct"] for r in results] == [want] * len(pattern)
+    want = _expected(pattern, remote)
+    assert [(r["direct"], r["remote"]) for r in results] == [want] * len(pattern)
 
 
 def test_auto_on_one_machine_goes_direct():
     results = run_world(_coll_rank, 2, "auto", "hh", timeout=80)
     _check(results)
-    assert results[0]["direct"] == _direct_expected(2)
+    assert (results[0]["direct"], results[0]["remote"]) == _expected("hh", remote=True)
 
 
 # -- groups and lifetimes ------------------------------------------------------------------
@@ -372,3 +400,39 @@ def test_groups_without_shared_memory_give_private_arrays(backend):
 def test_no_heap_when_heap_bytes_is_zero():
     for bad in run_world(_private_rank, 2, "shm", timeout=60, env={"DISTCOMM_SHM_HEAP_BYTES": "0"}):
         assert not bad, bad
+
+
+def _alltoall_rank(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Large all_to_all_single with even splits (peers' blocks read in place when the
+    reader is on) and uneven ones (always through the slots)."""
+    _init(rank, world_size, backend, port)
+    n = world_size
+    bad = []
+    for block in (150_001, 3):
+        sent = np.concatenate([np.full(block, rank * 1000 + d, np.int64) + np.arange(block) for d in range(n)])
+        got = np.full(block * n, -1, np.int64)
+        dist.all_to_all_single(got, sent)
+        want = np.concatenate([np.full(block, j * 1000 + rank, np.int64) + np.arange(block) for j in range(n)])
+        if not np.array_equal(got, want):
+            bad.append(f"even blocks of {block}: first difference at {np.flatnonzero(got != want)[0]}")
+    splits = [100_000 + 7 * d + rank for d in range(n)]  # what this rank sends to d
+    recv_splits = [100_000 + 7 * rank + j for j in range(n)]
+    sent = np.concatenate([np.full(c, rank * 10 + d, np.int32) for d, c in enumerate(splits)])
+    got = np.zeros(sum(recv_splits), np.int32)
+    dist.all_to_all_single(got, sent, recv_splits, splits)
+    want = np.concatenate([np.full(c, j * 10 + rank, np.int32) for j, c in enumerate(recv_splits)])
+    if not np.array_equal(got, want):
+        bad.append("uneven splits")
+    remote = dist.GroupMember.WORLD.algorithms.remote_calls
+    dist.destroy_process_group()
+    return {"bad": bad, "remote": remote}
+
+
+@pytest.mark.parametrize("remote", [True, False])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_reads_even_blocks_in_place(world_size, remote):
+    env = _REMOTE_ENV if remote else {"DISTCOMM_SHM_CMA": "0"}
+    results = run_world(_alltoall_rank, world_size, "shm", timeout=60, env=env)
+    for r in results:
+        assert not r["bad"], r["bad"]
+    assert [r["remote"] for r in results] == [1 if remote else 0] * world_size

@@ -6,6 +6,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,25 +52,34 @@ def _pattern(size: int, src: int, tag: int) -> np.ndarray:
     return np.resize(period, size)
 
 
-def _threads_open(n: int, **kw) -> list[ShmChannel]:
-    """``n`` channels of one group in this process (threads share a HashStore)."""
-    store = HashStore()
-    chs: list = [None] * n
+def _on_threads(fn: Callable[[Any], None], items: Iterable[Any]) -> None:
+    """``fn(item)`` for every item, each on a thread of its own; the first error is raised."""
     errors: list = []
 
-    def run(r: int) -> None:
+    def run(item: Any) -> None:
         try:
-            chs[r] = ShmChannel.open(store, r, n, 10.0, **kw)
-        except BaseException as e:  # pragma: no cover - reported below
+            fn(item)
+        except BaseException as e:  # re-raised below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=run, args=(x,)) for x in items]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
+
+
+def _threads_open(n: int, **kw) -> list[ShmChannel]:
+    """``n`` channels of one group in this process (threads share a HashStore)."""
+    store = HashStore()
+    chs: list = [None] * n
+
+    def run(r: int) -> None:
+        chs[r] = ShmChannel.open(store, r, n, 10.0, **kw)
+
+    _on_threads(run, range(n))
     return chs
 
 
@@ -210,35 +221,25 @@ def test_done_makes_progress():
 def _many_threads(rank: int, n: int, port: int) -> int:
     store, ch = _open(rank, n, port)
     dl = Deadline(60)
-    rounds = 20
-    errors: list = []
+    rounds, nthreads = 20, 8
 
     def worker(t: int) -> None:
         size = RING + 1000 if t % 4 == 0 else 16 + t
-        try:
-            for i in range(rounds):
-                if rank == 0:
-                    ch.isend(1, t, memoryview(_pattern(size, t, i))).wait(dl)
-                    buf = np.empty(size, np.uint8)
-                    ch.irecv(1, t, memoryview(buf)).wait(dl)
-                    assert np.array_equal(buf, _pattern(size, t, i + 1))
-                else:
-                    buf = np.empty(size, np.uint8)
-                    ch.irecv(0, t, memoryview(buf)).wait(dl)
-                    assert np.array_equal(buf, _pattern(size, t, i))
-                    ch.isend(0, t, memoryview(_pattern(size, t, i + 1))).wait(dl)
-        except BaseException as e:
-            errors.append(e)
+        for i in range(rounds):
+            if rank == 0:
+                ch.isend(1, t, memoryview(_pattern(size, t, i))).wait(dl)
+                buf = np.empty(size, np.uint8)
+                ch.irecv(1, t, memoryview(buf)).wait(dl)
+                assert np.array_equal(buf, _pattern(size, t, i + 1))
+            else:
+                buf = np.empty(size, np.uint8)
+                ch.irecv(0, t, memoryview(buf)).wait(dl)
+                assert np.array_equal(buf, _pattern(size, t, i))
+                ch.isend(0, t, memoryview(_pattern(size, t, i + 1))).wait(dl)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    _on_threads(worker, range(nthreads))
     _finish(store, ch, rank, n)
-    return rounds * len(threads)
+    return rounds * nthreads
 
 
 def test_many_threads_share_one_channel():
@@ -484,30 +485,20 @@ def test_bad_arguments_get_one_line_errors():
 def test_threads_as_ranks_and_segment_size():
     chs = _threads_open(3)
     bufs: dict = {}
-    errors: list = []
 
     def rank_main(ch: ShmChannel) -> None:
-        try:
-            reqs = []
-            for p in range(3):
-                if p != ch.rank:
-                    reqs.append(ch.isend(p, 1, memoryview(_pattern(RING * 2, ch.rank, p))))
-                    bufs[ch.rank, p] = np.empty(RING * 2, np.uint8)
-                    reqs.append(ch.irecv(p, 1, memoryview(bufs[ch.rank, p])))
-            for q in reqs:
-                q.wait(Deadline(10))
-        except BaseException as e:
-            errors.append(e)
+        reqs = []
+        for p in range(3):
+            if p != ch.rank:
+                reqs.append(ch.isend(p, 1, memoryview(_pattern(RING * 2, ch.rank, p))))
+                bufs[ch.rank, p] = np.empty(RING * 2, np.uint8)
+                reqs.append(ch.irecv(p, 1, memoryview(bufs[ch.rank, p])))
+        for q in reqs:
+            q.wait(Deadline(10))
 
     try:
         assert _shm_names() == set()
-        threads = [threading.Thread(target=rank_main, args=(ch,)) for ch in chs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        _on_threads(rank_main, chs)
         assert all(np.array_equal(v, _pattern(RING * 2, p, r)) for (r, p), v in bufs.items())
     finally:
         for ch in chs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,8 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
+from raw_sockets import closed_by_peer, raw_connect, recv_n
 
 from distcomm.errors import (
     DistConnectTimeoutError,
@@ -34,36 +37,9 @@ def master():
     store.close()
 
 
-def _raw(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5)
-
-
 def _handshake(sock: socket.socket, version: int = p.VERSION) -> bytes:
     sock.sendall(p.HANDSHAKE.pack(p.MAGIC, version, 0))
-    return _recv_n(sock, p.HANDSHAKE_REPLY.size)
-
-
-def _recv_n(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """Read (and discard) until the server closes; False if it never does."""
-    sock.settimeout(5)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
+    return recv_n(sock, p.HANDSHAKE_REPLY.size)
 
 
 @pytest.mark.parametrize(
@@ -74,9 +50,9 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 def test_garbage_connection_is_dropped_and_others_keep_their_data(master, garbage):
     other = TCPStore("127.0.0.1", master.port, timeout=5)
     other.set("kept", b"value")
-    bad = _raw(master.port)
+    bad = raw_connect(master.port)
     bad.sendall(garbage)
-    assert _closed_by_peer(bad)
+    assert closed_by_peer(bad)
     bad.close()
     assert other.get("kept") == b"value"
     other.set("after", b"1")
@@ -85,20 +61,20 @@ def test_garbage_connection_is_dropped_and_others_keep_their_data(master, garbag
 
 
 def test_malformed_request_drops_only_that_connection(master):
-    bad = _raw(master.port)
+    bad = raw_connect(master.port)
     _handshake(bad)
     bad.sendall(p.frame(p.GET, b"key"))  # GET without its timeout field
-    assert _closed_by_peer(bad)
+    assert closed_by_peer(bad)
     bad.close()
     master.set("still", b"ok")
     assert master.get("still") == b"ok"
 
 
 def test_newer_protocol_client_is_refused_with_the_servers_version(master):
-    sock = _raw(master.port)
+    sock = raw_connect(master.port)
     magic, version, status, _ = p.HANDSHAKE_REPLY.unpack(_handshake(sock, p.VERSION + 1))
     assert (magic, version, status) == (p.MAGIC, p.VERSION, p.HS_UNSUPPORTED)
-    assert _closed_by_peer(sock)
+    assert closed_by_peer(sock)
     sock.close()
     assert master.num_keys() == 0
 
@@ -169,14 +145,25 @@ def test_connect_timeout_names_the_address():
     assert err.addr == f"127.0.0.1:{port}" and f"127.0.0.1:{port}" in str(err)
 
 
-def test_server_death_is_a_network_error_not_a_hang():
-    port = free_port()
+@contextlib.contextmanager
+def _store_command(port: int) -> Iterator[subprocess.Popen]:
+    """``distcomm store`` serving on ``port`` in a child process (killed and reaped at the end)."""
     server = subprocess.Popen(
         [sys.executable, "-m", "distcomm.cli", "store", "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
+        yield server
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+
+
+def test_server_death_is_a_network_error_not_a_hang():
+    port = free_port()
+    with _store_command(port) as server:
         assert "serving" in server.stdout.readline()
         client = TCPStore("127.0.0.1", port, timeout=3)
         client.set("a", b"1")
@@ -198,30 +185,17 @@ def test_server_death_is_a_network_error_not_a_hang():
         with pytest.raises((DistNetworkError, DistConnectTimeoutError)):
             client.get("a")
         client.close()
-    finally:
-        server.kill()
-        server.wait()
-        server.stdout.close()
 
 
 def test_standalone_server_command_stops_on_sigterm():
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "distcomm.cli", "store", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _store_command(port) as server:
         assert f"127.0.0.1:{port}" in server.stdout.readline()
         with TCPStore("127.0.0.1", port, timeout=5) as client:
             client.set("k", "v")
             assert client.get("k") == b"v"
         server.send_signal(signal.SIGTERM)
         assert server.wait(10) == 0
-    finally:
-        server.kill()
-        server.wait()
-        server.stdout.close()
 
 
 def test_master_waits_for_workers_and_reports_who_is_missing():
@@ -326,7 +300,7 @@ def test_4096_concurrent_connections_all_served():
             s.sendall(p.HANDSHAKE.pack(p.MAGIC, p.VERSION, 0))
             socks.append(s)
         for s in socks:
-            assert p.HANDSHAKE_REPLY.unpack(_recv_n(s, 8))[2] == p.HS_OK
+            assert p.HANDSHAKE_REPLY.unpack(recv_n(s, 8))[2] == p.HS_OK
         deadline = time.monotonic() + 60
         while server.num_connections < n and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -337,16 +311,16 @@ def test_4096_concurrent_connections_all_served():
             s.sendall(p.frame(p.GET, b"go", p.pack_seconds(30)))
         counts = []
         for s in socks:
-            (length,) = p.U32.unpack(_recv_n(s, 4))
-            body = _recv_n(s, length)
+            (length,) = p.U32.unpack(recv_n(s, 4))
+            body = recv_n(s, length)
             assert body[0] == p.OK
             counts.append(p.unpack_int(p.split_fields(body)[0]))
         assert sorted(counts) == list(range(1, n + 1))
         with TCPStore("127.0.0.1", server.port, timeout=30) as c:
             c.set("go", b"!")
         for s in socks:
-            (length,) = p.U32.unpack(_recv_n(s, 4))
-            body = _recv_n(s, length)
+            (length,) = p.U32.unpack(recv_n(s, 4))
+            body = recv_n(s, length)
             assert body[0] == p.OK and p.split_fields(body) == [b"!"]
     finally:
         for s in socks:

@@ -14,8 +14,9 @@ from distcomm.errors import DistBackendError, DistInputError
 from distcomm.store import TCPStore
 from distcomm.testing import free_port, run_ranks
 from distcomm.transport import tcp_wire
-from distcomm.transport.matching import EAGER_BYTES
-from distcomm.transport.tcp import TcpTransport
+from distcomm.transport.base import EAGER_STEP, collective_tag, is_eager
+from distcomm.transport.matching import EAGER_BYTES, BufferPool
+from distcomm.transport.tcp import TcpTransport, spin_seconds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -163,3 +164,162 @@ def _clean_shutdown(rank: int, n: int, port: int) -> list[str]:
 
 def test_closing_together_logs_no_lost_connections():
     assert run_ranks(_clean_shutdown, 4, free_port(), timeout=60) == [[], [], [], []]
+
+
+# -- eager collective messages, waiting threads that pump, spinning ------------------
+
+BIG = 3 << 20  # above EAGER_BYTES: a plain large message waits for the receiver's grant
+
+
+def _eager_and_rendezvous(rank: int, n: int, port: int) -> dict:
+    store, t = _transport(rank, n, port)
+    ch = t.channel(3, list(range(n)))
+    ch.connect_all()
+    dl = Deadline(30)
+    out: dict = {}
+    eager, plain = collective_tag(1, 5 | EAGER_STEP), collective_tag(1, 5)
+    assert is_eager(eager) and not is_eager(plain) and not is_eager(5 | EAGER_STEP)
+    data = np.arange(BIG, dtype=np.uint8)
+    if rank == 0:
+        # an eager message is complete once the kernel has it: no receive is posted yet
+        s = ch.isend(1, eager, memoryview(data))
+        s.wait(Deadline(10))
+        out["eager_sent_before_posted"] = True
+        store.set("eager_sent", "1")
+        # a plain large one waits for the grant, which comes when rank 1 posts
+        s = ch.isend(1, plain, memoryview(data))
+        time.sleep(0.3)
+        out["plain_done_before_posted"] = s.done()
+        store.set("plain_posted?", "1")
+        s.wait(dl)
+        # small sends the kernel takes whole need no request object
+        out["small_is_sent"] = ch.isend(1, 9, memoryview(b"abc")).done()
+    else:
+        store.wait(["eager_sent"])
+        got = np.zeros(BIG, np.uint8)
+        ch.irecv(0, eager, memoryview(got)).wait(dl)  # kept early, then copied in
+        out["eager_ok"] = bool((got == data).all())
+        store.wait(["plain_posted?"])
+        got[:] = 0
+        ch.irecv(0, plain, memoryview(got)).wait(dl)
+        out["plain_ok"] = bool((got == data).all())
+        small = bytearray(3)
+        ch.irecv(0, 9, memoryview(small)).wait(dl)
+        out["small_ok"] = bytes(small) == b"abc"
+    _finish(store, t, rank, n)
+    return out
+
+
+def test_eager_collective_messages_skip_the_handshake():
+    sender, receiver = run_ranks(_eager_and_rendezvous, 2, free_port(), timeout=90)
+    assert sender == {"eager_sent_before_posted": True, "plain_done_before_posted": False,
+                      "small_is_sent": True}
+    assert receiver == {"eager_ok": True, "plain_ok": True, "small_ok": True}
+
+
+def _pump_elsewhere(rank: int, n: int, port: int) -> float:
+    """Rank 0 starts a large send to rank 1, then waits for rank 2, which sends only
+    once rank 1 has the large message: the send must progress (its grant read, its
+    payload written) while rank 0's only thread waits on another peer."""
+    store, t = _transport(rank, n, port)
+    ch = t.channel(4, list(range(n)))
+    ch.connect_all()
+    dl = Deadline(30)
+    big = np.full(BIG, 7, np.uint8)
+    flag = np.zeros(1, np.uint8)
+    t0 = time.monotonic()
+    if rank == 0:
+        s = ch.isend(1, 1, memoryview(big))
+        ch.irecv(2, 2, memoryview(flag)).wait(dl)
+        s.wait(dl)
+    elif rank == 1:
+        got = np.zeros(BIG, np.uint8)
+        ch.irecv(0, 1, memoryview(got)).wait(dl)
+        assert (got == 7).all()
+        ch.isend(2, 3, memoryview(np.ones(1, np.uint8))).wait(dl)
+    else:
+        ch.irecv(1, 3, memoryview(flag)).wait(dl)
+        ch.isend(0, 2, memoryview(flag)).wait(dl)
+    took = time.monotonic() - t0
+    _finish(store, t, rank, n)
+    return took
+
+
+def test_a_waiting_thread_keeps_other_peers_moving():
+    took = run_ranks(_pump_elsewhere, 3, free_port(), timeout=90)
+    assert max(took) < 10, took
+
+
+def test_spin_setting(monkeypatch):
+    monkeypatch.setenv("DISTCOMM_TCP_SPIN_US", "120")
+    assert spin_seconds(64) == pytest.approx(120e-6)
+    monkeypatch.setenv("DISTCOMM_TCP_SPIN_US", "0")
+    assert spin_seconds(1) == 0.0
+    monkeypatch.setenv("DISTCOMM_TCP_SPIN_US", "soon")
+    with pytest.raises(DistInputError, match="DISTCOMM_TCP_SPIN_US='soon'") as info:
+        spin_seconds(2)
+    assert info.value.variable == "DISTCOMM_TCP_SPIN_US"
+    monkeypatch.delenv("DISTCOMM_TCP_SPIN_US")
+    cores = len(os.sched_getaffinity(0))
+    assert spin_seconds(cores) > 0 and spin_seconds(cores + 1) == 0.0  # never more ranks than cores
+
+
+def test_early_buffers_are_reused_and_bounded():
+    pool = BufferPool(3 << 20)
+    a = pool.take(1 << 20)
+    pool.put(a)
+    assert pool.take(1 << 20) is a  # the same buffer again: no fresh zeroed memory
+    assert pool.take(1 << 20) is not a
+    for _ in range(5):
+        pool.put(bytearray(1 << 20))
+    pool.put(bytearray(2 << 20))  # makes room by dropping others
+    held = sum(len(b) for bufs in pool._free.values() for b in bufs)
+    assert held <= 3 << 20
+    assert len(pool.take(100)) == 100  # small ones are never pooled
+    # one size taken back to none left, then another filling the pool past its limit
+    pool = BufferPool(3 << 20)
+    pool.put(bytearray(1 << 20))
+    pool.take(1 << 20)
+    for _ in range(3):
+        pool.put(bytearray(2 << 20))
+    assert sum(len(b) for bufs in pool._free.values() for b in bufs) <= 3 << 20
+    assert all(pool._free.values())  # no empty lists left behind
+    # small early messages are kept as bytes: those must never come back as a target
+    pool.put(bytes(8192))
+    got = pool.take(8192)
+    assert isinstance(got, bytearray) and len(got) == 8192
+
+
+def _early_reuse(rank: int, n: int, port: int) -> bool:
+    """Early messages of one size, kept whole or read piecewise, one after another:
+    a buffer kept for a small one must never become the target of the next."""
+    store, t = _transport(rank, n, port)
+    ch = t.channel(5, list(range(n)))
+    ch.connect_all()
+    dl = Deadline(30)
+    size = 4096  # the largest message sent behind its header in one write
+    big = collective_tag(9, 1 | EAGER_STEP)  # sent at once, larger than a read of the socket
+    msgs = {1: np.full(size, 1, np.uint8), big: np.full(600_000, 2, np.uint8), 3: np.full(size, 3, np.uint8)}
+    ok = True
+    if rank == 0:
+        ch.isend(1, 1, memoryview(msgs[1])).wait(dl)
+        store.set("sent1", "1")
+        store.wait(["got1"])
+        for tag in (big, 3):  # the small one follows a large payload: it is read in pieces
+            ch.isend(1, tag, memoryview(msgs[tag])).wait(dl)
+        store.set("sent3", "1")
+    else:
+        for tags, flag in (((1,), "sent1"), ((big, 3), "sent3")):
+            store.wait([flag])
+            time.sleep(0.3)  # the progress thread reads them before the receives exist
+            for tag in tags:
+                got = np.zeros_like(msgs[tag])
+                ch.irecv(0, tag, memoryview(got)).wait(dl)
+                ok = ok and bool((got == msgs[tag]).all())
+            store.set("got1", "1")
+    _finish(store, t, rank, n)
+    return ok
+
+
+def test_early_messages_reuse_their_buffers_safely():
+    assert run_ranks(_early_reuse, 2, free_port(), timeout=60) == [True, True]

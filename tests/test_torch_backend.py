@@ -8,6 +8,10 @@ CPU tensors through it.  Ranks are real processes (run_ranks).
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +141,22 @@ def api_rank(rank: int, ws: int, port: int) -> list[str]:
         fut_value = w.get_future().value()
         if not isinstance(fut_value, list) or len(fut_value) != 1:
             problems.append(f"all_reduce future value {type(fut_value).__name__}")
+        # async_op=True returns at once (the work runs on distcomm's worker thread, as DDP's
+        # bucket all-reduces during the backward pass): rank 0 issues it before the others join
+        late = torch.ones(4) * (rank + 1)
+        if rank == 0:
+            t0 = time.monotonic()
+            w = tdist.all_reduce(late, async_op=True)
+            took = time.monotonic() - t0
+            if took > 0.5 or w.is_completed():
+                problems.append(f"async all_reduce blocked the caller ({took:.2f} s) or finished alone")
+            for r in range(1, ws):
+                tdist.send(torch.zeros(1), dst=r, tag=9)
+            w.wait()
+        else:
+            tdist.recv(torch.zeros(1), src=0, tag=9)
+            tdist.all_reduce(late)
+        same("async all_reduce issued before the others joined", late, torch.ones(4) * sum(range(1, ws + 1)))
         b = torch.arange(5.0) if rank == 1 else torch.zeros(5)
         tdist.broadcast(b, src=1)
         same("broadcast", b, torch.arange(5.0))
@@ -289,6 +309,23 @@ def test_unsupported_device_and_dtype_messages():
         assert raw.dtype == torch.uint8
     with pytest.raises(distcomm.DistTypeError, match="torch.Tensor"):
         _check_tensor(np.zeros(2), "tensor", reduces=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_ddp_runs_both_backends(tmp_path):
+    """`distcomm bench ddp`: DDP on distcomm and gloo, steps interleaved, parameters agreeing
+    (perf smoke, not timed: only that it measures both and reports the ratio)."""
+    out = tmp_path / "ddp.json"
+    proc = subprocess.run([sys.executable, "-m", "distcomm", "bench", "ddp", "--params", "0.3", "--steps", "3",
+                           "--warmup", "1", "--comm-repeat", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "target: distcomm <= 0.8 x gloo" in proc.stdout and "load average" in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    assert res["agree"] and res["layers"] == 1
+    assert {len(v) for v in res["samples"].values()} == {3}
+    assert res["summary"]["gloo"]["ratio"] == 1.0 and res["summary"]["distcomm"]["ratio"] > 0
 
 
 # -- docs/torch.md -----------------------------------------------------------------------------

@@ -4,88 +4,173 @@
 groups, collectives, point-to-point, stores) over NumPy arrays, CPU torch
 tensors and writable buffers.  The public names live here; everything else is
 an implementation module.
+
+Names are imported on first use (module ``__getattr__``), so ``import
+distcomm`` costs almost nothing and a program that needs only part of the
+package (a fault-tolerant replica, a store client) loads only that part.
+The built-in backends register themselves when a backend is first looked
+up (:mod:`distcomm.backend_registry`).
 """
 
-from . import backends as _backends  # noqa: F401 - registers the built-in backends
-from . import functional
-from .api import (
-    GroupMember,
-    default_pg_timeout,
-    destroy_process_group,
-    get_backend,
-    get_global_rank,
-    get_group_rank,
-    get_process_group_ranks,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    is_available,
-    is_initialized,
-    new_group,
-    new_subgroups,
-    new_subgroups_by_enumeration,
-    split_group,
-)
-from .backend_registry import Backend
-from .backends import auto as _auto  # noqa: F401
-from .backends import mpi as _mpi  # noqa: F401 - registers 'mpi' (mpi4py is imported on use)
-from .backends import shm as _shm  # noqa: F401
-from .backends import tcp as _tcp  # noqa: F401
-from .collectives import (
-    P2POp,
-    all_gather,
-    all_gather_into_tensor,
-    all_gather_single,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    batch_isend_irecv,
-    broadcast,
-    gather,
-    irecv,
-    isend,
-    monitored_barrier,
-    recv,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_single,
-    reduce_scatter_tensor,
-    scatter,
-    send,
-)
-from .debug.flight_recorder import dump_flight_recorder
-from .debug.levels import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
-from .errors import (
-    DistBackendError,
-    DistDesyncError,
-    DistError,
-    DistInputError,
-    DistNetworkError,
-    DistStoreError,
-    DistTimeoutError,
-    DistTypeError,
-)
-from .group import ProcessGroup
-from .launch.spawn import spawn
-from .object_collectives import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    recv_object_list,
-    scatter_object_list,
-    send_object_list,
-    set_object_unpickler,
-)
-from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum
-from .shared_arrays import empty, zeros
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
-from .store.rendezvous import register_rendezvous_handler, rendezvous
-from .work import Work
+import importlib as _importlib
+import importlib.util as _importlib_util
+import typing as _typing
+
+if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is imported on first use
+    from . import functional
+    from .api import (
+        GroupMember,
+        default_pg_timeout,
+        destroy_process_group,
+        get_backend,
+        get_global_rank,
+        get_group_rank,
+        get_node_local_rank,
+        get_process_group_ranks,
+        get_rank,
+        get_world_size,
+        init_process_group,
+        is_available,
+        is_backend_available,
+        is_gloo_available,
+        is_initialized,
+        is_mpi_available,
+        is_nccl_available,
+        is_torchelastic_launched,
+        is_ucc_available,
+        is_xccl_available,
+        new_group,
+        new_subgroups,
+        new_subgroups_by_enumeration,
+        split_group,
+    )
+    from .backend_registry import Backend
+    from .collectives import (
+        P2POp,
+        all_gather,
+        all_gather_coalesced,
+        all_gather_into_tensor,
+        all_gather_single,
+        all_reduce,
+        all_reduce_coalesced,
+        all_to_all,
+        all_to_all_single,
+        barrier,
+        batch_isend_irecv,
+        broadcast,
+        gather,
+        irecv,
+        isend,
+        monitored_barrier,
+        recv,
+        reduce,
+        reduce_scatter,
+        reduce_scatter_single,
+        reduce_scatter_tensor,
+        scatter,
+        send,
+    )
+    from .debug.flight_recorder import dump_flight_recorder
+    from .debug.levels import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
+    from .errors import (
+        DistBackendError,
+        DistDesyncError,
+        DistError,
+        DistInputError,
+        DistNetworkError,
+        DistStoreError,
+        DistTimeoutError,
+        DistTypeError,
+    )
+    from .group import ProcessGroup
+    from .launch.spawn import spawn
+    from .object_collectives import (
+        all_gather_object,
+        broadcast_object_list,
+        gather_object,
+        recv_object_list,
+        scatter_object_list,
+        send_object_list,
+        set_object_unpickler,
+    )
+    from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum  # noqa: F401 - torch's private name
+    from .shared_arrays import empty, zeros
+    from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+    from .store.rendezvous import register_rendezvous_handler, rendezvous
+    from .work import Work
 
 __version__ = "0.1.0"
 
+#: public (and torch-private) name -> the module that defines it; the TYPE_CHECKING imports
+#: above list the same names (tests/test_ft_startup.py checks that they agree)
+_WHERE: dict[str, str] = {
+    name: module
+    for module, names in (
+        (".api", "GroupMember default_pg_timeout destroy_process_group get_backend get_global_rank "
+         "get_group_rank get_process_group_ranks get_rank get_world_size init_process_group "
+         "is_available is_initialized new_group new_subgroups new_subgroups_by_enumeration "
+         "split_group get_node_local_rank is_backend_available is_gloo_available "
+         "is_mpi_available is_nccl_available is_torchelastic_launched is_ucc_available "
+         "is_xccl_available"),
+        (".backend_registry", "Backend"),
+        (".collectives", "P2POp all_gather all_gather_coalesced all_reduce_coalesced all_gather_into_tensor all_gather_single all_reduce all_to_all "
+         "all_to_all_single barrier batch_isend_irecv broadcast gather irecv isend "
+         "monitored_barrier recv reduce reduce_scatter reduce_scatter_single "
+         "reduce_scatter_tensor scatter send"),
+        (".debug.flight_recorder", "dump_flight_recorder"),
+        (".debug.levels", "DebugLevel get_debug_level set_debug_level set_debug_level_from_env"),
+        (".errors", "DistBackendError DistDesyncError DistError DistInputError DistNetworkError "
+         "DistStoreError DistTimeoutError DistTypeError"),
+        (".group", "ProcessGroup"),
+        (".launch.spawn", "spawn"),
+        (".object_collectives", "all_gather_object broadcast_object_list gather_object recv_object_list "
+         "scatter_object_list send_object_list set_object_unpickler"),
+        (".reduce_op", "ReduceOp _make_nccl_premul_sum make_premul_sum"),
+        (".shared_arrays", "empty zeros"),
+        (".store", "FileStore HashStore PrefixStore Store TCPStore"),
+        (".store.rendezvous", "register_rendezvous_handler rendezvous"),
+        (".work", "Work"),
+    )
+    for name in names.split()
+}
+#: submodules that are public names themselves
+_SUBMODULES = ("functional",)
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _WHERE.get(name)
+    if module is not None:
+        value = getattr(_importlib.import_module(module, __name__), name)
+    elif name in _SUBMODULES or (not name.startswith("__") and _is_submodule(name)):
+        value = _importlib.import_module(f".{name}", __name__)  # `distcomm.api` without importing it
+    else:
+        raise AttributeError(f"module 'distcomm' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def _is_submodule(name: str) -> bool:
+    try:
+        return _importlib_util.find_spec(f"{__name__}.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_WHERE))
+
+
 __all__ = [
+    "all_gather_coalesced",
+    "all_reduce_coalesced",
+    "get_node_local_rank",
+    "is_backend_available",
+    "is_gloo_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_torchelastic_launched",
+    "is_ucc_available",
+    "is_xccl_available",
     "Backend",
     "DebugLevel",
     "DistBackendError",
@@ -161,5 +246,3 @@ __all__ = [
     "zeros",
     "__version__",
 ]
-
-_ = _make_nccl_premul_sum  # torch's private name, reachable as distcomm._make_nccl_premul_sum

@@ -42,6 +42,14 @@ __all__ = [
     "get_process_group_ranks",
     "default_pg_timeout",
     "is_available",
+    "is_backend_available",
+    "is_gloo_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_ucc_available",
+    "is_xccl_available",
+    "is_torchelastic_launched",
+    "get_node_local_rank",
 ]
 
 #: Default timeout of a process group, as torch's gloo default.
@@ -90,6 +98,64 @@ _init_lock = threading.Lock()
 def is_available() -> bool:
     """distcomm is always available."""
     return True
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether ``backend`` (a name or alias, e.g. ``"gloo"``) is registered and can run here."""
+    name = str(backend).strip().lower()
+    if name == "mpi":
+        return is_mpi_available()
+    return name in Backend.available()
+
+
+def is_gloo_available() -> bool:
+    """True: ``"gloo"`` names distcomm's default CPU backend (``auto``)."""
+    return True
+
+
+def is_mpi_available() -> bool:
+    """Whether backend ``mpi`` can be used: mpi4py is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def is_nccl_available() -> bool:
+    """False: distcomm does not use GPUs."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    """False: distcomm has no UCC backend."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """False: distcomm does not use accelerators."""
+    return False
+
+
+def is_torchelastic_launched() -> bool:
+    """Whether an elastic launcher (``torchrun``, or ``distcomm run``, which sets the same
+    ``TORCHELASTIC_RUN_ID``) started this process."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its machine: ``LOCAL_RANK`` as the launcher set it
+    (``distcomm run``, ``torchrun``), else ``fallback_rank``."""
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is not None:
+        try:
+            return int(raw)
+        except ValueError:
+            raise DistInputError(f"LOCAL_RANK={raw!r}: expected a whole number") from None
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise DistInputError(
+        "LOCAL_RANK is not set (start the program with distcomm run or torchrun) "
+        "and no fallback_rank was given"
+    )
 
 
 def is_initialized() -> bool:

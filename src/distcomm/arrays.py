@@ -52,6 +52,7 @@ DTYPE_NAMES = (
 USE_ML_DTYPES = True
 
 _NATIVE = {np.dtype(n): n for n in DTYPE_NAMES if n != "bfloat16"}
+_NATIVE_STR = {d.str: n for d, n in _NATIVE.items()}  # by type string: cheaper to look up
 _UINT16 = np.dtype(np.uint16)
 _BF16_MISSING = object()
 _bf16: Any = None  # np.dtype once looked up, _BF16_MISSING if ml_dtypes is absent
@@ -153,18 +154,19 @@ def as_array(obj: Any, *, writable: bool, what: str = "tensor") -> ArrayRef:
 def _from_ndarray(
     arr: np.ndarray, obj: Any, writable: bool, what: str, fix: str, name: str | None = None
 ) -> ArrayRef:
-    name = name or _NATIVE.get(arr.dtype)
+    name = name or _NATIVE_STR.get(arr.dtype.str)
     if name is None:
         arr, name = _odd_dtype(arr, what)
-    if not arr.flags.c_contiguous:
+    flags = arr.flags
+    if not flags.c_contiguous:
         raise DistInputError(
             f"{what} is not contiguous (shape {arr.shape}, strides {arr.strides}); pass {fix}"
         )
-    if writable and not arr.flags.writeable:
+    if writable and not flags.writeable:
         raise DistInputError(
             f"{what} is read-only; collectives write their result into it, pass a writable array"
         )
-    flat = arr.reshape(-1)
+    flat = arr.ravel()  # a view: arr is C-contiguous
     if not writable and flat.flags.writeable:
         flat = flat.view()
         flat.flags.writeable = False

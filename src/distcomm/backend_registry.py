@@ -9,12 +9,42 @@ prefixed store for each subgroup, as torch does.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from .errors import DistInputError, DistTypeError
 
 __all__ = ["Backend", "BackendFactory", "resolve_backend"]
+
+#: Modules of the built-in backends; each registers itself when imported.
+_BUILTIN = ("distcomm.backends.tcp", "distcomm.backends.shm", "distcomm.backends.auto")
+#: Built-in backends imported only when named (or listed): name -> module.
+_ON_DEMAND = {"mpi": "distcomm.backends.mpi"}
+_builtin_lock = threading.RLock()
+_builtin_state = 0  # 0: not loaded, 1: loading, 2: loaded
+
+
+def _load_builtin_backends(registering: bool = False) -> None:
+    """Import the built-in backends once, on the registry's first use (``import distcomm`` is lazy).
+
+    A lookup waits for a load in progress; a registration during one (a built-in
+    backend registering itself) does not.
+    """
+    global _builtin_state
+    if _builtin_state == 2 or (registering and _builtin_state == 1):
+        return
+    with _builtin_lock:
+        if _builtin_state != 0:
+            return  # loaded meanwhile, or being loaded by this thread
+        _builtin_state = 1
+        try:
+            for module in _BUILTIN:
+                importlib.import_module(module)
+        finally:
+            _builtin_state = 2
 
 
 class BackendFactory:
@@ -62,7 +92,10 @@ class Backend(str):
         devices: str | list[str] | None = None,
     ) -> None:
         """Register ``func(store, rank, world_size, timeout) -> ProcessGroup`` as ``name``."""
+        _load_builtin_backends(registering=True)
         key = Backend(name)
+        if key in _ON_DEMAND and _ON_DEMAND[key] not in sys.modules:
+            importlib.import_module(_ON_DEMAND[key])  # the built-in one comes first
         if key in cls._factories or key in cls._aliases:
             raise DistInputError(f"backend {key!r} is already registered")
         factory = func if isinstance(func, BackendFactory) else BackendFactory(key, func)
@@ -75,11 +108,15 @@ class Backend(str):
 
     @classmethod
     def available(cls) -> list[str]:
+        _load_builtin_backends()
+        for module in _ON_DEMAND.values():
+            importlib.import_module(module)
         return sorted(set(cls._factories) | set(cls._aliases))
 
 
 def resolve_backend(name: str | None, default: str) -> tuple[str, BackendFactory]:
     """The backend's canonical name and factory; a clear error for unknown ones."""
+    _load_builtin_backends()
     key = Backend(default if name is None else name)
     if ":" in key:  # torch's "cpu:gloo,cuda:nccl" form: take the CPU entry
         parts = dict(p.split(":", 1) for p in key.split(",") if ":" in p)
@@ -87,6 +124,8 @@ def resolve_backend(name: str | None, default: str) -> tuple[str, BackendFactory
             raise DistInputError(f"backend {name!r} names no CPU backend; distcomm runs on the CPU")
         key = Backend(parts["cpu"])
     key = Backend(Backend._aliases.get(key, key))
+    if key not in Backend._factories and key in _ON_DEMAND:
+        importlib.import_module(_ON_DEMAND[key])
     factory = Backend._factories.get(key)
     if factory is None:
         avail = ", ".join(Backend.available())

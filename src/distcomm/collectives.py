@@ -22,6 +22,8 @@ from .reduce_op import ReduceOp
 from .work import Work
 
 __all__ = [
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
     "broadcast",
     "all_reduce",
     "reduce",
@@ -115,6 +117,36 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     if pg is None:
         return None
     return _ret(pg.allgather(tensor_list, tensor, async_op), async_op)
+
+
+def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
+                         group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """``all_reduce`` of each of ``tensors`` in turn (torch's deprecated coalesced form);
+    with ``async_op`` the Work of the last, which completes after all of them."""
+    return _each(tensors, "tensors", lambda t, a: all_reduce(t, op, group, a), async_op)
+
+
+def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list: list[Any],
+                         group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """``all_gather(output_tensor_lists[i], input_tensor_list[i])`` for each i (torch's
+    deprecated coalesced form); with ``async_op`` the Work of the last."""
+    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != len(
+            input_tensor_list if isinstance(input_tensor_list, (list, tuple)) else ()):
+        raise DistInputError(
+            "all_gather_coalesced needs a list of output lists and a list of inputs of the same length"
+        )
+    pairs = list(zip(output_tensor_lists, input_tensor_list, strict=True))
+    return _each(pairs, "input_tensor_list", lambda p, a: all_gather(p[0], p[1], group, a), async_op)
+
+
+def _each(items: Any, what: str, call: Any, async_op: bool) -> Work | None:
+    """``call(item, async_op)`` for every item, in order; the last Work when async."""
+    if not isinstance(items, (list, tuple)):
+        raise DistTypeError(f"{what} must be a list, got {type(items).__name__}")
+    work = None
+    for item in items:
+        work = call(item, async_op)
+    return work if async_op else None
 
 
 def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,

@@ -118,7 +118,8 @@ class DistDesyncError(DistBackendError):
     """Ranks called a collective with different arguments, or different collectives.
 
     Raised on every rank by the ``DISTCOMM_DEBUG=DETAIL`` check, before any rank
-    used a peer's data.  ``calls`` lists what each group rank passed.
+    used a peer's data, so the group stays usable.  ``calls`` lists what each
+    group rank passed.
     """
 
     calls: Any = None

@@ -22,6 +22,9 @@ from typing import Any
 
 from .deadline import Deadline
 from .debug import recorder as _rec
+from .debug.recorder import COMPLETED as _COMPLETED
+from .debug.recorder import STARTED as _STARTED
+from .debug.recorder import now as _now
 from .errors import DistBackendError, DistDesyncError, DistError, DistTimeoutError
 from .work import Work, finished
 
@@ -219,9 +222,9 @@ class ProcessGroup:
         if not async_op and self._serial.enter_inline():
             # the common case, kept lean: no hand-off, no waiting on a Work
             entry = None
-            if ring is not None:
-                t = _rec.now()
-                entry = [t, t, None, _rec.STARTED, self.group_name, seq, op, info, None, None]
+            if ring is not None:  # the flight recorder: one list per operation, updated in place
+                t = _now()
+                entry = [t, t, None, _STARTED, self.group_name, seq, op, info, None, None]
                 ring.append(entry)
             try:
                 out = run(seq, Deadline(seconds))
@@ -235,8 +238,8 @@ class ProcessGroup:
             finally:
                 self._serial.leave_inline()
             if entry is not None:
-                entry[_rec.F_FINISHED] = _rec.now()
-                entry[_rec.F_STATE] = _rec.COMPLETED
+                entry[2] = _now()  # F_FINISHED
+                entry[3] = _COMPLETED  # F_STATE
             return finished(op, self.group_name, seq, result if result is not None else out)
         work = Work(op, self.group_name, seq, self._describe_peers)
         entry = None if ring is None else _rec.entry(self.group_name, seq, op, info, _rec.SCHEDULED)
@@ -272,7 +275,7 @@ class ProcessGroup:
     def _failed(self, op: str, seq: int | None, e: BaseException) -> BaseException:
         """Turn a failure into the error users see, and break the group."""
         if isinstance(e, DistDesyncError):
-            return e  # every rank raises it itself: no abort (the check says if the group broke)
+            return e  # every rank raises it before using a peer's data: the group stays usable
         what = op if seq is None else f"{op} (seq {seq})"
         if isinstance(e, DistTimeoutError):
             seconds = e.timeout if isinstance(e.timeout, (int, float)) else self.timeout
@@ -302,3 +305,13 @@ def _other_facts(e: BaseException) -> dict[str, Any]:
     """The facts of ``e`` the group's error does not set itself (e.g. ``ranks``)."""
     facts = getattr(e, "facts", None) or {}
     return {k: v for k, v in facts.items() if k not in ("op", "seq", "group", "timeout", "peer", "rank")}
+
+
+def __getattr__(name: str) -> Any:
+    """``distcomm.group.WORLD``, as torch's ``dist.group.WORLD``: the default group
+    (this module shares the name of torch's ``group`` namespace)."""
+    if name == "WORLD":
+        from .api import GroupMember
+
+        return GroupMember.WORLD
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

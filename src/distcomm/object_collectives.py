@@ -353,6 +353,18 @@ def _list_error(value: Any, what: str, length: int | None = None,
     return None
 
 
+def _unpack_into(object_list: Any, buf: np.ndarray, count: int, op: str, pg: ProcessGroup,
+                 group_rank: int, mismatch: str) -> None:
+    """Fill ``object_list`` (a list of ``count`` entries, else an error: its length, then
+    ``mismatch``) with the objects group rank ``group_rank`` packed into ``buf``."""
+    local = _list_error(object_list, "object_list", count)
+    if local is not None:
+        if isinstance(local, DistInputError):
+            local = DistInputError(f"object_list has {_entries(len(object_list))}{mismatch}")
+        raise _here(local, op, pg)
+    object_list[:] = _unpack(buf, count, op, pg, group_rank)
+
+
 # -- all_gather_object / gather_object ----------------------------------------------------
 def _exchange_sizes(pg: ProcessGroup, size: int) -> list[int]:
     sizes = np.empty(pg.size(), _INT64)
@@ -502,15 +514,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
     buf = np.empty(nbytes, _UINT8)
     if nbytes:
         _c.broadcast(buf, group=pg, group_src=root)
-    local = _list_error(object_list, "object_list", count)
-    if local is not None:
-        if isinstance(local, DistInputError):
-            local = DistInputError(
-                f"object_list has {_entries(len(object_list))} on this rank but rank "
-                f"{pg.ranks[root]} broadcast {count}; every rank must pass a list of the same length"
-            )
-        raise _here(local, op, pg)
-    object_list[:] = _unpack(buf, count, op, pg, root)
+    _unpack_into(object_list, buf, count, op, pg, root, f" on this rank but rank {pg.ranks[root]} "
+                 f"broadcast {count}; every rank must pass a list of the same length")
 
 
 def scatter_object_list(scatter_object_output_list: list[Any],
@@ -634,13 +639,6 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
     buf = np.empty(nbytes, _UINT8)
     if nbytes:
         _c.recv(buf, group=pg, tag=OBJECT_TAG, group_src=sender_group_rank)
-    local = _list_error(object_list, "object_list", count)
-    if local is not None:
-        if isinstance(local, DistInputError):
-            local = DistInputError(
-                f"object_list has {_entries(len(object_list))} but rank {sender} sent {count}; "
-                f"pass a list of the sender's length"
-            )
-        raise _here(local, op, pg)
-    object_list[:] = _unpack(buf, count, op, pg, sender_group_rank)
+    _unpack_into(object_list, buf, count, op, pg, sender_group_rank,
+                 f" but rank {sender} sent {count}; pass a list of the sender's length")
     return sender

@@ -5,12 +5,15 @@ from __future__ import annotations
 import socket
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly ``n`` bytes from a blocking socket (a handshake, say)."""
+def recv_exact(sock: socket.socket, n: int, closed: str = "the connection closed during the handshake") -> bytes:
+    """Read exactly ``n`` bytes from a blocking socket (a handshake, say).
+
+    A peer that closes first raises :class:`ConnectionResetError` with the message ``closed``.
+    """
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise ConnectionResetError("the connection closed during the handshake")
+            raise ConnectionResetError(closed)
         buf += chunk
     return bytes(buf)

@@ -17,7 +17,7 @@ from .barrier import barrier
 from .broadcast import binomial_broadcast, broadcast, chain_broadcast
 from .gather import gather, scatter
 from .reduce import binomial_reduce, reduce, ring_reduce
-from .reduce_scatter import reduce_scatter
+from .reduce_scatter import direct_reduce_scatter, reduce_scatter
 
 __all__ = [
     "SEGMENT_BYTES",
@@ -31,6 +31,7 @@ __all__ = [
     "broadcast",
     "bruck_allgather",
     "chain_broadcast",
+    "direct_reduce_scatter",
     "gather",
     "hd_allreduce",
     "pooled_scratch",

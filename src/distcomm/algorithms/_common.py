@@ -19,19 +19,30 @@ import numpy as np
 
 from ..deadline import Deadline
 from ..errors import DistInputError, DistTypeError
-from ..transport.base import MAX_STEP, Channel, Request, collective_tag, wait_all
+from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
-#: Large messages travel in segments of about this many bytes (pipelining).
+#: Large messages travel in segments (pipelining) of at least this many bytes ...
 SEGMENT_BYTES = 512 * 1024
-#: Segments being received into scratch at once (double buffering).
+#: ... cutting the longest block in about this many pieces ...
+SEGMENTS_PER_BLOCK = 8
+#: ... of at most this many bytes (each segment costs a few system calls and some
+#: Python on both sides, so no smaller than pipelining needs).
+MAX_SEGMENT_BYTES = 4 * 1024 * 1024
+#: The first this many bytes one rank sends another within a collective are
+#: marked eager (:data:`~distcomm.transport.base.EAGER_STEP`): their receives are
+#: posted as the receiver starts, so they need no ready-to-receive handshake.
+EAGER_WINDOW = 4 * 1024 * 1024
+#: Segments being received into scratch at once beyond the eager ones (double buffering).
 SCRATCH_SLOTS = 2
-#: Receives straight into the destination posted ahead of the one awaited.
-LOOKAHEAD = 8
+#: Receives posted ahead of the one awaited (eager ones are all posted at once).
+LOOKAHEAD = 16
 #: Scratch buffers kept per channel (one per collective running at once).
 _POOL_MAX = 4
 _ALIGN = 64
+#: Steps an algorithm may number (the eager bit above them).
+_STEPS = EAGER_STEP - 1
 
 # Receive modes of a pipeline item.
 DIRECT = 0  # receive straight into dst
@@ -90,13 +101,27 @@ def offsets(counts: Sequence[int]) -> list[int]:
 
 
 def seg_elems(itemsize: int, longest: int, phases: int) -> int:
-    """Elements per segment: about SEGMENT_BYTES, larger if ``phases`` steps of
-    ``longest``-element blocks would otherwise run out of tag steps."""
-    seg = max(1, SEGMENT_BYTES // max(1, itemsize))
-    budget = (MAX_STEP - 64) // max(1, phases)
+    """Elements per segment: the ``longest``-element block cut in about
+    SEGMENTS_PER_BLOCK pieces of SEGMENT_BYTES to MAX_SEGMENT_BYTES, larger if
+    ``phases`` steps of such blocks would otherwise run out of tag steps."""
+    itemsize = max(1, itemsize)
+    nbytes = min(MAX_SEGMENT_BYTES, max(SEGMENT_BYTES, longest * itemsize // SEGMENTS_PER_BLOCK))
+    seg = max(1, nbytes // itemsize)
+    budget = (_STEPS - 64) // max(1, phases)
     if -(-longest // seg) > budget:
         seg = -(-longest // budget)
     return seg
+
+
+def eager_count(seg: int, itemsize: int) -> int:
+    """How many segments of ``seg`` elements fit the eager window (at least one)."""
+    return max(1, EAGER_WINDOW // max(1, seg * itemsize))
+
+
+def eager(step: int, index: int, count: int) -> int:
+    """``step``, marked eager if it is message ``index`` (from 0) of a stream whose
+    first ``count`` messages are eager."""
+    return step | EAGER_STEP if index < count else step
 
 
 def nsegs(count: int, seg: int) -> int:
@@ -120,11 +145,13 @@ def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def send_all(
-    ch: Channel, peer: int, seq: int, base: int, arr: np.ndarray, parts: list[tuple[int, int]]
+    ch: Channel, peer: int, seq: int, base: int, arr: np.ndarray, parts: list[tuple[int, int]],
+    eager_first: int = 0,
 ) -> list[Request]:
-    """isend ``arr[a:b]`` for each part, tagged with steps ``base``, ``base + 1``, ..."""
+    """isend ``arr[a:b]`` for each part, tagged with steps ``base``, ``base + 1``, ...;
+    the first ``eager_first`` of them marked eager."""
     return [
-        ch.isend(peer, collective_tag(seq, base + j), as_bytes(arr[a:b]))
+        ch.isend(peer, collective_tag(seq, eager(base + j, j, eager_first)), as_bytes(arr[a:b]))
         for j, (a, b) in enumerate(parts)
     ]
 
@@ -202,23 +229,33 @@ def drive(
 ) -> None:
     """Complete ``items`` in order, keeping receives posted ahead.
 
-    Item ``i + 1`` (and up to LOOKAHEAD direct ones) is posted before item
-    ``i`` is awaited and reduced, so receiving overlaps reducing; reducing
-    items take turns on SCRATCH_SLOTS scratch slots.  Forwarding isends are
-    appended to ``sends`` (the caller waits them).
+    Items with an eager step (which come first in each stream) are all posted
+    at once, so their messages land in place whenever they come; the others
+    up to LOOKAHEAD ahead of the one awaited, so receiving overlaps reducing.
+    Reducing items take turns on scratch slots (one per eager item, at least
+    SCRATCH_SLOTS).  Forwarding isends are appended to ``sends`` (the caller
+    waits them).
     """
     n = len(items)
-    stride = max((it[2].nbytes for it in items if it[3] != DIRECT), default=0)
+    stride = 0
+    eager_reduce = 0
+    for it in items:
+        if it[3] != DIRECT:
+            if it[2].nbytes > stride:
+                stride = it[2].nbytes
+            if it[1] & EAGER_STEP:
+                eager_reduce += 1
     free: deque[np.ndarray] = deque()
     if stride:
         stride = -(-stride // _ALIGN) * _ALIGN
-        buf = scratch.take(stride * SCRATCH_SLOTS)  # type: ignore[union-attr]
-        free.extend(buf[i * stride : (i + 1) * stride] for i in range(SCRATCH_SLOTS))
+        nslots = max(SCRATCH_SLOTS, eager_reduce)
+        buf = scratch.take(stride * nslots)  # type: ignore[union-attr]
+        free.extend(buf[i * stride : (i + 1) * stride] for i in range(nslots))
     reqs: list[Request | None] = [None] * n
     slots: list[np.ndarray | None] = [None] * n
     nxt = 0
     for i in range(n):
-        while nxt < n and nxt < i + LOOKAHEAD:
+        while nxt < n and (nxt < i + LOOKAHEAD or items[nxt][1] & EAGER_STEP):
             src, step, dst, mode, _, _ = items[nxt]
             if mode == DIRECT:
                 target = dst.view(np.uint8)
@@ -268,29 +305,81 @@ def ring_pass(
     (r-k-2) % n from r-1: reduced into place while k < n-1 (reduce-scatter:
     after steps [0, n-1) block r is fully reduced at rank r), stored after
     (allgather: steps [n-1, 2n-2) circulate every block).  Blocks move in
-    segments, each forwarded as soon as it is received.  Returns the first
-    step number not used, for a following phase.
+    segments, each forwarded as soon as it is received; the first
+    EAGER_WINDOW bytes each rank sends are eager.  Returns the first step
+    number not used, for a following phase.
     """
     n, r = ch.size, ch.rank
     off = offsets(counts)
     seg = seg_elems(arr.itemsize, max(counts), 2 * n)
     nseg = max(nsegs(c, seg) for c in counts)
+    ecount = eager_count(seg, arr.itemsize)
     right, left = (r + 1) % n, (r - 1) % n
+    if nseg == 1 and k0 < k1:
+        _ring_whole(ch, arr, off, seq, deadline, k0, k1, ecount, combine, scratch)
+        return 2 * n - 2
     sends: list[Request] = []
     if k0 < k1:
         b = (r - k0 - 1) % n
         parts = split(off[b], off[b + 1], seg)
-        sends = send_all(ch, right, seq, k0 * nseg, arr, parts)
+        sends = send_all(ch, right, seq, k0 * nseg, arr, parts, ecount)
     items: list[Item] = []
     for k in range(k0, k1):
         b = (r - k - 2) % n
         mode = REDUCE if k < n - 1 else DIRECT
         for j, (a, e) in enumerate(split(off[b], off[b + 1], seg)):
-            fwd = ((right, (k + 1) * nseg + j),) if k + 1 < k1 else ()
-            items.append((left, k * nseg + j, arr[a:e], mode, None, fwd))
+            step = eager(k * nseg + j, (k - k0) * nseg + j, ecount)
+            fwd = ((right, eager((k + 1) * nseg + j, (k + 1 - k0) * nseg + j, ecount)),) if k + 1 < k1 else ()
+            items.append((left, step, arr[a:e], mode, None, fwd))
     # An allgather step overwrites a block this rank sent during the
     # reduce-scatter; the final value can only arrive after that send was
     # received (it went round the whole ring), so no extra wait is needed.
     drive(ch, seq, items, deadline, sends, combine, scratch)
     wait_all(sends, deadline)
     return (2 * n - 2) * nseg
+
+
+def _ring_whole(
+    ch: Channel, arr: np.ndarray, off: list[int], seq: int, deadline: Deadline, k0: int, k1: int,
+    ecount: int, combine: Combine | None, scratch: Scratch | None,
+) -> None:
+    """:func:`ring_pass` when every block is one message: the receive of step
+    k+1 is posted before step k is awaited; two scratch slots take turns."""
+    n, r = ch.size, ch.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    isz = arr.itemsize
+    slots: tuple[np.ndarray, ...] = ()
+    if k0 < n - 1:
+        stride = -(-max(off[b + 1] - off[b] for b in range(n)) * isz // _ALIGN) * _ALIGN
+        buf = scratch.take(2 * stride)  # type: ignore[union-attr]
+        slots = (buf[:stride], buf[stride:])
+
+    def post(k: int):
+        b = (r - k - 2) % n
+        if off[b + 1] == off[b]:
+            return None
+        dst = arr[off[b] : off[b + 1]]
+        tag = collective_tag(seq, eager(k, k - k0, ecount))
+        if k < n - 1:
+            tmp = slots[k & 1][: dst.nbytes]
+            return ch.irecv(left, tag, memoryview(tmp)), dst, tmp
+        return ch.irecv(left, tag, memoryview(dst.view(np.uint8))), dst, None
+
+    sends: list[Request] = []
+    b = (r - k0 - 1) % n
+    if off[b + 1] > off[b]:
+        sends.append(ch.isend(right, collective_tag(seq, eager(k0, 0, ecount)), as_bytes(arr[off[b] : off[b + 1]])))
+    nxt = post(k0)
+    for k in range(k0, k1):
+        cur = nxt
+        nxt = post(k + 1) if k + 1 < k1 else None
+        if cur is None:
+            continue
+        req, dst, tmp = cur
+        req.wait(deadline)
+        if tmp is not None:
+            combine(dst, tmp.view(dst.dtype))  # type: ignore[misc]
+        if k + 1 < k1:
+            sends.append(ch.isend(right, collective_tag(seq, eager(k + 1, k + 1 - k0, ecount)), as_bytes(dst)))
+    for s in sends:
+        s.wait(deadline)

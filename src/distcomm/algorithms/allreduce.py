@@ -6,9 +6,12 @@ order on every rank), so all ranks hold bitwise identical bytes.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..deadline import Deadline
-from ..transport.base import Channel, Request, collective_tag, wait_all
+from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
 from ._common import (
+    EAGER_WINDOW,
     REDUCE,
     REDUCE_LEFT,
     Combine,
@@ -17,6 +20,8 @@ from ._common import (
     as_bytes,
     check_array,
     drive,
+    eager,
+    eager_count,
     even_counts,
     nsegs,
     offsets,
@@ -52,7 +57,10 @@ def allreduce(
     if ch.size == 1 or arr.nbytes == 0:
         return
     name = check_algorithm("allreduce", algo or allreduce_algorithm(arr.nbytes, ch.size))
-    with scratch_for(ch, scratch) as s:
+    if scratch is not None:
+        _ALGORITHMS[name](ch, arr, combine, seq, deadline, scratch)
+        return
+    with scratch_for(ch) as s:
         _ALGORITHMS[name](ch, arr, combine, seq, deadline, s)
 
 
@@ -69,7 +77,7 @@ def ring_allreduce(
 # -- folding a world of n = p + rem ranks onto p = 2**k ---------------------------
 
 
-def _fold_in(ch: Channel, arr, combine, seq, deadline, scratch, parts) -> tuple[int, int, int]:
+def _fold_in(ch: Channel, arr, combine, seq, deadline, scratch, parts, ecount) -> tuple[int, int, int]:
     """Ranks 2i and 2i+1 (i < rem) pair up: the even one hands its array to the
     odd one and sits out.  Returns (p, rem, virtual rank or -1).  Steps [0, len(parts))."""
     n, r = ch.size, ch.rank
@@ -78,9 +86,11 @@ def _fold_in(ch: Channel, arr, combine, seq, deadline, scratch, parts) -> tuple[
     if r >= 2 * rem:
         return p, rem, r - rem
     if r % 2 == 0:
-        wait_all(send_all(ch, r + 1, seq, 0, arr, parts), deadline)
+        wait_all(send_all(ch, r + 1, seq, 0, arr, parts, ecount), deadline)
         return p, rem, -1
-    items: list[Item] = [(r - 1, j, arr[a:e], REDUCE, None, ()) for j, (a, e) in enumerate(parts)]
+    items: list[Item] = [
+        (r - 1, eager(j, j, ecount), arr[a:e], REDUCE, None, ()) for j, (a, e) in enumerate(parts)
+    ]
     drive(ch, seq, items, deadline, [], combine, scratch)
     return p, rem, r // 2
 
@@ -90,7 +100,7 @@ def _fold_out(ch: Channel, arr, seq: int, deadline: Deadline, rem: int, step: in
     r = ch.rank
     if r >= 2 * rem:
         return
-    tag = collective_tag(seq, step)
+    tag = collective_tag(seq, eager(step, 0, 1) if arr.nbytes <= EAGER_WINDOW else step)
     if r % 2 == 0:
         ch.irecv(r + 1, tag, as_bytes(arr)).wait(deadline)
     else:
@@ -109,21 +119,63 @@ def rd_allreduce(
     ranks of a non-power-of-two world are folded in and out.  For small messages."""
     p = 1 << (ch.size.bit_length() - 1)
     levels = p.bit_length() - 1
-    parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, levels + 2))
+    seg = seg_elems(arr.itemsize, arr.size, levels + 2)
+    parts = split(0, arr.size, seg)
     nseg = len(parts)
-    p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts)
+    ecount = eager_count(seg, arr.itemsize)
+    if nseg == 1:
+        _rd_whole(ch, arr, combine, seq, deadline, scratch, levels)
+        return
+    p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts, ecount)
     if v >= 0:
         for s in range(levels):
             pv = v ^ (1 << s)
             peer, base = _real(pv, rem), (1 + s) * nseg
-            mine = send_all(ch, peer, seq, base, arr, parts)
+            first = ecount if s == 0 else 0  # (later levels: the peer may not be there yet)
+            mine = send_all(ch, peer, seq, base, arr, parts, first)
             mode = REDUCE if v < pv else REDUCE_LEFT
             items: list[Item] = [
-                (peer, base + j, arr[a:e], mode, mine[j], ()) for j, (a, e) in enumerate(parts)
+                (peer, eager(base + j, j, first), arr[a:e], mode, mine[j], ())
+                for j, (a, e) in enumerate(parts)
             ]
             drive(ch, seq, items, deadline, [], combine, scratch)
             wait_all(mine, deadline)
     _fold_out(ch, arr, seq, deadline, rem, (1 + levels) * nseg)
+
+
+def _rd_whole(
+    ch: Channel, arr, combine: Combine, seq: int, deadline: Deadline, scratch: Scratch, levels: int
+) -> None:
+    """:func:`rd_allreduce` when the array is one message (the same steps, fewer moves)."""
+    n, r = ch.size, ch.rank
+    rem = n - (1 << levels)
+    mine = memoryview(arr.view(np.uint8))
+    tmp = scratch.take(arr.nbytes)
+    theirs = tmp.view(arr.dtype)
+    if r < 2 * rem:  # fold in
+        tag = collective_tag(seq, EAGER_STEP)
+        if r % 2 == 0:
+            ch.isend(r + 1, tag, mine).wait(deadline)
+            v = -1
+        else:
+            ch.irecv(r - 1, tag, memoryview(tmp)).wait(deadline)
+            combine(arr, theirs)
+            v = r // 2
+    else:
+        v = r - rem
+    if v >= 0:
+        for s in range(levels):
+            pv = v ^ (1 << s)
+            peer, tag = _real(pv, rem), collective_tag(seq, (1 + s) | (EAGER_STEP if s == 0 else 0))
+            sent = ch.isend(peer, tag, mine)
+            ch.irecv(peer, tag, memoryview(tmp)).wait(deadline)
+            sent.wait(deadline)  # (it reads arr, about to change)
+            if v < pv:
+                combine(arr, theirs)
+            else:
+                combine(theirs, arr)
+                np.copyto(arr, theirs)
+    _fold_out(ch, arr, seq, deadline, rem, 1 + levels)
 
 
 def hd_allreduce(
@@ -138,7 +190,8 @@ def hd_allreduce(
     seg = seg_elems(arr.itemsize, arr.size, 2 * levels + 2)
     parts = split(0, arr.size, seg)
     nseg = nsegs(arr.size, seg)
-    p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts)
+    ecount = eager_count(seg, arr.itemsize)
+    p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts, ecount)
     if v >= 0:
         off = offsets(even_counts(arr.size, p))
         lo, hi, s = 0, p, 0
@@ -149,9 +202,10 @@ def hd_allreduce(
             peer, base = _real(pv, rem), (1 + s) * nseg
             mid = lo + d
             keep, give = ((mid, hi), (lo, mid)) if v & d else ((lo, mid), (mid, hi))
-            given[d] = send_all(ch, peer, seq, base, arr, split(off[give[0]], off[give[1]], seg))
+            first = ecount if s == 0 else 0  # (later levels: the peer may not be there yet)
+            given[d] = send_all(ch, peer, seq, base, arr, split(off[give[0]], off[give[1]], seg), first)
             items: list[Item] = [
-                (peer, base + j, arr[a:e], REDUCE, None, ())
+                (peer, eager(base + j, j, first), arr[a:e], REDUCE, None, ())
                 for j, (a, e) in enumerate(split(off[keep[0]], off[keep[1]], seg))
             ]
             drive(ch, seq, items, deadline, [], combine, scratch)
@@ -162,8 +216,8 @@ def hd_allreduce(
         sends: list[Request] = []
         while d < p:  # allgather: swap owned ranges, straight into place
             pv = v ^ d
-            peer, tag = _real(pv, rem), collective_tag(seq, (1 + s) * nseg)
             other = (lo - d, lo) if v & d else (hi, hi + d)
+            peer, tag = _real(pv, rem), collective_tag(seq, (1 + s) * nseg)
             wait_all(given.pop(d), deadline)  # the range about to be overwritten was sent from
             if off[hi] > off[lo]:
                 sends.append(ch.isend(peer, tag, as_bytes(arr[off[lo] : off[hi]])))

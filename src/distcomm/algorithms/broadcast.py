@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from ..deadline import Deadline
-from ..transport.base import Channel, Request, wait_all
-from ._common import DIRECT, Item, check_array, check_root, drive, seg_elems, send_all, split
+from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
+from ._common import (
+    DIRECT,
+    EAGER_WINDOW,
+    Item,
+    as_bytes,
+    check_array,
+    check_root,
+    drive,
+    eager,
+    eager_count,
+    seg_elems,
+    send_all,
+    split,
+)
 from .select import broadcast_algorithm, check_algorithm
 
 __all__ = ["broadcast", "binomial_broadcast", "chain_broadcast"]
@@ -59,17 +72,26 @@ def binomial_broadcast(
     receives from its parent straight into ``arr`` and forwards every segment
     to its children as soon as it arrives.  Steps ``base .. base + segments``."""
     parent, children = tree_links(ch.rank, ch.size, root)
-    parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, 2))
+    seg = seg_elems(arr.itemsize, arr.size, 2)
+    parts = split(0, arr.size, seg)
+    ecount = eager_count(seg, arr.itemsize)
+    if len(parts) == 1 or ch.size == 2:  # one message (nobody forwards: nothing to pipeline)
+        tag = collective_tag(seq, base | EAGER_STEP if arr.nbytes <= EAGER_WINDOW else base)
+        view = as_bytes(arr)
+        if parent is not None:
+            ch.irecv(parent, tag, view).wait(deadline)
+        wait_all([ch.isend(child, tag, view) for child in children], deadline)
+        return
     sends: list[Request] = []
     if parent is None:
         for j, (a, e) in enumerate(parts):
             for child in children:
-                sends.extend(send_all(ch, child, seq, base + j, arr, [(a, e)]))
+                sends.extend(send_all(ch, child, seq, base + j, arr, [(a, e)], ecount - j))
     else:
-        items: list[Item] = [
-            (parent, base + j, arr[a:e], DIRECT, None, tuple((c, base + j) for c in children))
-            for j, (a, e) in enumerate(parts)
-        ]
+        items: list[Item] = []
+        for j, (a, e) in enumerate(parts):
+            step = eager(base + j, j, ecount)
+            items.append((parent, step, arr[a:e], DIRECT, None, tuple((c, step) for c in children)))
         drive(ch, seq, items, deadline, sends)
     wait_all(sends, deadline)
 
@@ -80,14 +102,16 @@ def chain_broadcast(ch: Channel, arr, root: int, seq: int, deadline: Deadline) -
     n, r = ch.size, ch.rank
     v = (r - root) % n
     nxt = (r + 1) % n if v + 1 < n else None
-    parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, 1))
+    seg = seg_elems(arr.itemsize, arr.size, 1)
+    parts = split(0, arr.size, seg)
+    ecount = eager_count(seg, arr.itemsize)
     sends: list[Request] = []
     if v == 0:
-        sends = send_all(ch, nxt, seq, 0, arr, parts)  # type: ignore[arg-type]
+        sends = send_all(ch, nxt, seq, 0, arr, parts, ecount)  # type: ignore[arg-type]
     else:
-        fwd = (lambda j: ((nxt, j),)) if nxt is not None else (lambda j: ())
-        items: list[Item] = [
-            ((r - 1) % n, j, arr[a:e], DIRECT, None, fwd(j)) for j, (a, e) in enumerate(parts)
-        ]
+        items: list[Item] = []
+        for j, (a, e) in enumerate(parts):
+            step = eager(j, j, ecount)
+            items.append(((r - 1) % n, step, arr[a:e], DIRECT, None, ((nxt, step),) if nxt is not None else ()))
         drive(ch, seq, items, deadline, sends)
     wait_all(sends, deadline)

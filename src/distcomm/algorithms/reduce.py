@@ -7,8 +7,9 @@ unspecified afterwards (as in c10d, only the root's result is defined).
 from __future__ import annotations
 
 from ..deadline import Deadline
-from ..transport.base import Channel, Request, collective_tag, wait_all
+from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
 from ._common import (
+    EAGER_WINDOW,
     REDUCE,
     Combine,
     Item,
@@ -17,6 +18,8 @@ from ._common import (
     check_array,
     check_root,
     drive,
+    eager,
+    eager_count,
     even_counts,
     offsets,
     ring_pass,
@@ -74,18 +77,21 @@ def binomial_reduce(
     its parent.  ceil(log2 n) rounds; steps ``base .. base + segments``."""
     parent, children = tree_links(ch.rank, ch.size, root)
     children.reverse()  # smallest subtree first: it is ready first
-    parts = split(0, arr.size, seg_elems(arr.itemsize, arr.size, 2))
+    seg = seg_elems(arr.itemsize, arr.size, 2)
+    parts = split(0, arr.size, seg)
+    ecount = eager_count(seg, arr.itemsize)
     sends: list[Request] = []
     if not children:
         if parent is not None:
-            sends = send_all(ch, parent, seq, base, arr, parts)
+            sends = send_all(ch, parent, seq, base, arr, parts, ecount)
     else:
         items: list[Item] = []
         for j, (a, e) in enumerate(parts):
+            step = eager(base + j, j, ecount)
             for i, child in enumerate(children):
                 last = i == len(children) - 1
-                fwd = ((parent, base + j),) if last and parent is not None else ()
-                items.append((child, base + j, arr[a:e], REDUCE, None, fwd))
+                fwd = ((parent, step),) if last and parent is not None else ()
+                items.append((child, step, arr[a:e], REDUCE, None, fwd))
         drive(ch, seq, items, deadline, sends, combine, scratch)
     wait_all(sends, deadline)
 
@@ -100,7 +106,7 @@ def ring_reduce(
     counts = even_counts(arr.size, n)
     step = ring_pass(ch, arr, counts, seq, deadline, 0, n - 1, combine, scratch)
     off = offsets(counts)
-    tag = collective_tag(seq, step)
+    tag = collective_tag(seq, step | EAGER_STEP if max(counts) * arr.itemsize <= EAGER_WINDOW else step)
     if r == root:
         reqs = [
             ch.irecv(src, tag, as_bytes(arr[off[src] : off[src + 1]]))

@@ -7,12 +7,29 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..deadline import Deadline
-from ..transport.base import Channel
-from ._common import Combine, Scratch, check_array, check_counts, offsets, ring_pass, scratch_for
+from ..errors import DistInputError
+from ..transport.base import Channel, Request, wait_all
+from ._common import (
+    REDUCE,
+    Combine,
+    Item,
+    Scratch,
+    check_array,
+    check_counts,
+    drive,
+    eager,
+    eager_count,
+    offsets,
+    ring_pass,
+    scratch_for,
+    seg_elems,
+    send_all,
+    split,
+)
 from .allreduce import rd_allreduce
 from .select import check_algorithm, reduce_scatter_algorithm
 
-__all__ = ["reduce_scatter"]
+__all__ = ["reduce_scatter", "direct_reduce_scatter"]
 
 
 def reduce_scatter(
@@ -32,7 +49,8 @@ def reduce_scatter(
 
     ring: n-1 pipelined steps, each rank sends (n-1)/n of the array (to its
     right neighbour).  rd: for small arrays, a recursive-doubling allreduce
-    (log2 n rounds instead of n-1).
+    (log2 n rounds instead of n-1).  direct: see :func:`direct_reduce_scatter`
+    (here with the result also left in block r).
     """
     check_array(arr)
     n, r = ch.size, ch.rank
@@ -45,6 +63,54 @@ def reduce_scatter(
     with scratch_for(ch, scratch) as s:
         if name == "rd":
             rd_allreduce(ch, arr, combine, seq, deadline, s)
+        elif name == "direct":
+            direct_reduce_scatter(ch, arr, mine, combine, seq, deadline, counts=counts, scratch=s)
         else:
             ring_pass(ch, arr, counts, seq, deadline, 0, n - 1, combine, s)
     return mine
+
+
+def direct_reduce_scatter(
+    ch: Channel,
+    inp,
+    out,
+    combine: Combine,
+    seq: int,
+    deadline: Deadline,
+    *,
+    counts: Sequence[int] | None = None,
+    scratch: Scratch,
+) -> None:
+    """``out`` = block r of the reduction of every rank's ``inp`` (left unchanged;
+    ``out`` may be block r of ``inp`` itself).
+
+    Every rank sends block j straight to rank j (segmented, each pair one
+    stream) and folds the n-1 blocks it receives into ``out``: one round, each
+    rank sends (n-1)/n of the array as in the ring, and nothing waits for a
+    forward.  For small worlds (n-1 streams per rank)."""
+    check_array(inp, "input", writable=False)
+    check_array(out, "output")
+    n, r = ch.size, ch.rank
+    counts = check_counts(counts, n, inp.size, "counts")
+    off = offsets(counts)
+    if out.size != counts[r] or out.dtype != inp.dtype:
+        raise DistInputError(
+            f"output must hold {counts[r]} elements of {inp.dtype}, got {out.size} of {out.dtype}"
+        )
+    mine = inp[off[r] : off[r + 1]]
+    if out.nbytes and not (out.__array_interface__["data"][0] == mine.__array_interface__["data"][0]):
+        np.copyto(out, mine)
+    if n == 1:
+        return
+    seg = seg_elems(inp.itemsize, max(counts), 2)
+    first = max(1, eager_count(seg, inp.itemsize) // (n - 1))  # (n-1 streams arrive at once)
+    sends: list[Request] = []
+    for k in range(1, n):  # staggered: not everyone to the same rank first
+        dst = (r + k) % n
+        sends += send_all(ch, dst, seq, 0, inp, split(off[dst], off[dst + 1], seg), first)
+    items: list[Item] = []
+    for j, (a, e) in enumerate(split(0, counts[r], seg)):
+        for k in range(1, n):
+            items.append(((r - k) % n, eager(j, j, first), out[a:e], REDUCE, None, ()))
+    drive(ch, seq, items, deadline, sends, combine, scratch)
+    wait_all(sends, deadline)

@@ -41,9 +41,12 @@ REDUCE_RING_MIN_BYTES = 4 * MiB
 ALLGATHER_BRUCK_MAX_BYTES = 64 * KiB
 ALLGATHER_BRUCK_MIN_WORLD = 4
 #: reduce_scatter: a recursive-doubling allreduce up to this many input bytes,
-#: for worlds of at least REDUCE_SCATTER_RD_MIN_WORLD; ring otherwise.
+#: for worlds of at least REDUCE_SCATTER_RD_MIN_WORLD; above, direct (every rank
+#: sends each block straight to its owner: one round) in worlds up to
+#: REDUCE_SCATTER_DIRECT_MAX_WORLD, ring in larger ones.
 REDUCE_SCATTER_RD_MAX_BYTES = 64 * KiB
 REDUCE_SCATTER_RD_MIN_WORLD = 4
+REDUCE_SCATTER_DIRECT_MAX_WORLD = 8
 
 #: The algorithms of each collective that has a choice.
 ALGORITHMS = {
@@ -51,7 +54,7 @@ ALGORITHMS = {
     "broadcast": ("binomial", "chain"),
     "reduce": ("binomial", "ring"),
     "allgather": ("ring", "bruck"),
-    "reduce_scatter": ("ring", "rd"),
+    "reduce_scatter": ("ring", "rd", "direct"),
 }
 
 
@@ -123,5 +126,6 @@ def reduce_scatter_algorithm(total_bytes: int, world_size: int) -> str:
     forced = _forced("reduce_scatter")
     if forced:
         return forced
-    small = total_bytes <= REDUCE_SCATTER_RD_MAX_BYTES
-    return "rd" if small and world_size >= REDUCE_SCATTER_RD_MIN_WORLD else "ring"
+    if total_bytes <= REDUCE_SCATTER_RD_MAX_BYTES and world_size >= REDUCE_SCATTER_RD_MIN_WORLD:
+        return "rd"
+    return "direct" if world_size <= REDUCE_SCATTER_DIRECT_MAX_WORLD else "ring"

@@ -60,6 +60,7 @@ class ChannelAlgorithms:
     def __init__(self, channel: Channel, staging: _Staging) -> None:
         self.channel = channel
         self._staging = staging
+        self._scratch = algo.Scratch()  # one collective runs at a time
 
     def barrier(self, seq: int, deadline: Deadline) -> None:
         algo.barrier(self.channel, seq, deadline)
@@ -68,13 +69,13 @@ class ChannelAlgorithms:
         algo.broadcast(self.channel, arr, root, seq, deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        algo.allreduce(self.channel, arr, combine, seq, deadline)
+        algo.allreduce(self.channel, arr, combine, seq, deadline, scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        algo.reduce(self.channel, arr, combine, root, seq, deadline)
+        algo.reduce(self.channel, arr, combine, root, seq, deadline, scratch=self._scratch)
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
-        algo.allgather(self.channel, out, seq, deadline)
+        algo.allgather(self.channel, out, seq, deadline, scratch=self._scratch)
 
     def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
                deadline: Deadline) -> None:
@@ -88,10 +89,14 @@ class ChannelAlgorithms:
                        deadline: Deadline) -> None:
         """``out`` = this rank's block of the reduction; ``inp`` stays intact
         unless it is the group's own reduce_scatter staging buffer."""
+        if algo.select.reduce_scatter_algorithm(inp.nbytes, self.channel.size) == "direct":
+            # reads inp as it is: no staging copy
+            algo.direct_reduce_scatter(self.channel, inp, out, combine, seq, deadline, scratch=self._scratch)
+            return
         buf = self._staging.take("reduce_scatter", inp.dtype, inp.size)
         if not _same(buf, inp):
             np.copyto(buf, inp)  # the algorithm works in place
-        out[:] = algo.reduce_scatter(self.channel, buf, combine, seq, deadline)
+        out[:] = algo.reduce_scatter(self.channel, buf, combine, seq, deadline, scratch=self._scratch)
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
                  send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:

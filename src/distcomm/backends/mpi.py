@@ -12,19 +12,21 @@ duplicate of ``MPI_COMM_WORLD`` (so the application's own MPI traffic never
 mixes with distcomm's), subgroups ``MPI_Comm_create_group`` of it (only the
 members take part, as ``new_group`` needs).  The argument checks, staging
 buffers and ``Work`` handling are :class:`ChannelProcessGroup`'s; the
-collectives are MPI's non-blocking ones on the caller's memory (no copies):
+collectives are MPI's on the caller's memory (no copies), non-blocking
+below 64 KiB per rank and blocking from there (see :class:`MpiCollectives`
+for ``DISTCOMM_MPI_COLLECTIVES``):
 
 ============================  ==================================================
 distcomm                      MPI
 ============================  ==================================================
-all_reduce                    ``MPI_Iallreduce`` with ``MPI_IN_PLACE``
-broadcast                     ``MPI_Ibcast``
-reduce                        ``MPI_Ireduce`` (``MPI_IN_PLACE`` on the root)
-all_gather(_into_tensor)      ``MPI_Iallgather`` with ``MPI_IN_PLACE``
-gather / scatter              ``MPI_Igather`` / ``MPI_Iscatter``
-reduce_scatter(_tensor)       ``MPI_Ireduce_scatter_block``
-all_to_all(_single)           ``MPI_Ialltoallv``
-barrier                       ``MPI_Ibarrier``
+all_reduce                    ``MPI_(I)allreduce`` with ``MPI_IN_PLACE``
+broadcast                     ``MPI_(I)bcast``
+reduce                        ``MPI_(I)reduce`` (``MPI_IN_PLACE`` on the root)
+all_gather(_into_tensor)      ``MPI_(I)allgather`` with ``MPI_IN_PLACE``
+gather / scatter              ``MPI_(I)gather`` / ``MPI_(I)scatter``
+reduce_scatter(_tensor)       ``MPI_(I)reduce_scatter_block``
+all_to_all(_single)           ``MPI_(I)alltoallv``
+barrier                       ``MPI_(I)barrier``
 send / recv                   ``MPI_Isend`` / ``MPI_Improbe`` + ``MPI_Imrecv``
 ============================  ==================================================
 
@@ -38,10 +40,16 @@ types), floating-point ``MIN``/``MAX`` (MPI's comparison drops a NaN or
 keeps it depending on the order), and sums of 8- and 16-bit integers (Open
 MPI's vectorised kernels saturate where torch wraps around).
 
-A wait tests its request in a loop (see :mod:`distcomm.transport.mpi_channel`),
-so the group timeout, ``Work.wait(timeout)``, abort and
-``destroy_process_group()`` work as with the other backends.  MPI errors
-become :class:`~distcomm.errors.DistBackendError` with MPI's message.
+An ``all_reduce`` of a NumPy array with an operation MPI computes goes
+from the call to MPI with the datatype and operation looked up once per
+(op, dtype) (no argument object, staging or finishing pass of the generic
+path); a blocking call runs in the caller's thread when nothing else of the
+group is in flight.  A non-blocking collective, and every point-to-point
+wait, tests its request in a loop (see
+:mod:`distcomm.transport.mpi_channel`), so the group timeout,
+``Work.wait(timeout)``, abort and ``destroy_process_group()`` work as with
+the other backends.  MPI errors become
+:class:`~distcomm.errors.DistBackendError` with MPI's message.
 """
 
 from __future__ import annotations
@@ -57,8 +65,8 @@ import numpy as np
 
 from ..backend_registry import Backend, BackendFactory
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistInputError
-from ..reduce_op import _NAMES, _combiner
+from ..errors import DistBackendError, DistError, DistInputError
+from ..reduce_op import _NAMES, _combiner, op_combiner
 from ..store import Store
 from ..transport.mpi_channel import (
     MpiChannel,
@@ -180,12 +188,18 @@ def _ops_for(rt: MpiRuntime) -> _Ops:
 # -- collectives --------------------------------------------------------------------------
 
 
+#: ``DISTCOMM_MPI_COLLECTIVES`` values; the first is the default.
+MODES = ("auto", "nonblocking", "blocking")
+#: With ``auto``, collectives of at least this many bytes per rank are MPI's blocking ones.
+BLOCKING_BYTES = 64 << 10
+
+
 def collectives_mode() -> str:
-    """``DISTCOMM_MPI_COLLECTIVES``: ``nonblocking`` (the default) or ``blocking``."""
-    mode = os.environ.get("DISTCOMM_MPI_COLLECTIVES", "nonblocking").strip().lower() or "nonblocking"
-    if mode not in ("nonblocking", "blocking"):
+    """``DISTCOMM_MPI_COLLECTIVES``: ``auto`` (the default), ``nonblocking`` or ``blocking``."""
+    mode = os.environ.get("DISTCOMM_MPI_COLLECTIVES", MODES[0]).strip().lower() or MODES[0]
+    if mode not in MODES:
         raise DistInputError(
-            f"DISTCOMM_MPI_COLLECTIVES={mode!r}: expected 'nonblocking' or 'blocking' "
+            f"DISTCOMM_MPI_COLLECTIVES={mode!r}: expected one of {', '.join(map(repr, MODES))} "
             f"(the same on every rank)"
         )
     return mode
@@ -194,13 +208,26 @@ def collectives_mode() -> str:
 class MpiCollectives:
     """:class:`~.channel_group.ChannelAlgorithms`' methods as MPI collectives.
 
-    By default each is MPI's non-blocking collective, tested until done, so
-    it can be timed out, aborted and destroyed under like any distcomm
-    collective.  With ``DISTCOMM_MPI_COLLECTIVES=blocking`` (set on every
-    rank: MPI never matches a blocking collective with a non-blocking one)
-    they are MPI's blocking collectives, which some MPI libraries run with
-    less latency for small messages; a collective then waits inside MPI,
-    past the group timeout and through ``destroy_process_group()``.
+    Each takes one of MPI's two forms, chosen from what every rank passes
+    alike (MPI never matches a blocking collective with a non-blocking one,
+    and ranks may differ in ``async_op``), after ``DISTCOMM_MPI_COLLECTIVES``
+    (set it the same on every rank):
+
+    * ``auto`` (the default): collectives of at least :data:`BLOCKING_BYTES`
+      per rank, whose size every rank agrees on, are MPI's blocking ones
+      (Open MPI's tuned algorithms, about twice as fast as its non-blocking
+      ones on megabytes); smaller ones, ``barrier`` and ``all_to_all`` are
+      non-blocking and tested until done.
+    * ``nonblocking``: every collective is non-blocking and tested until
+      done, so the group timeout, abort and ``destroy_process_group()`` end
+      any wait.
+    * ``blocking``: every collective is MPI's blocking one.
+
+    A blocking MPI collective waits inside MPI, past the group timeout and
+    through ``destroy_process_group()``, as in any MPI program (an
+    ``async_op=True`` one does so on the group's worker thread).  Without
+    ``MPI_THREAD_MULTIPLE`` every collective is non-blocking (the lock
+    serialising MPI calls is never held while waiting).
     """
 
     #: ``MPI_Reduce`` reads non-root inputs without writing them.
@@ -214,7 +241,11 @@ class MpiCollectives:
         self.ops = _ops_for(rt)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.blocking = collectives_mode() == "blocking"
+        mode = collectives_mode() if rt.multiple else "nonblocking"
+        #: Collectives of at least this many bytes per rank are MPI's blocking ones (None: none).
+        self.blocking_bytes = {"auto": BLOCKING_BYTES, "blocking": 0, "nonblocking": None}[mode]
+        #: Whether collectives without an agreed size (barrier, all_to_all) are blocking.
+        self.block_unsized = mode == "blocking"
         self._failed: BaseException | None = None
 
     def fail(self, cause: BaseException) -> None:
@@ -222,20 +253,23 @@ class MpiCollectives:
         if self._failed is None:
             self._failed = cause
 
-    def _go(self, what: str, block: Callable[..., Any], start: Callable[..., Any], deadline: Deadline,
-            *args: Any) -> None:
+    def _go(self, what: str, nbytes: int | None, block: Callable[..., Any], start: Callable[..., Any],
+            deadline: Deadline, *args: Any) -> None:
+        """``block(*args)`` or ``start(*args)`` then a tested wait; ``nbytes``: the size every
+        rank agrees on (None: none), which picks the form."""
         if self._failed is not None:
             raise self._failed
-        if self.blocking and self.rt.multiple:
+        limit = self.blocking_bytes
+        if self.block_unsized if nbytes is None else (limit is not None and nbytes >= limit):
             try:
                 block(*args)
             except self.MPI.Exception as e:
                 raise mpi_error(what, e) from None
             return
-        what = f"MPI_I{what[4:].lower()}"
+        what = _nonblocking_name(what)
         req = self.rt.call(what, start, *args)
         try:
-            wait_request(self.rt, req, deadline, self._get_failed, lambda: what)
+            wait_request(self.rt, req, deadline, self._get_failed, functools.partial(str, what))
         except BaseException:
             self.rt.orphan(req)  # MPI may still complete it: keep it and its buffers alive
             raise
@@ -245,30 +279,32 @@ class MpiCollectives:
 
     def barrier(self, seq: int, deadline: Deadline) -> None:
         c = self.comm
-        self._go("MPI_Barrier", c.Barrier, c.Ibarrier, deadline)
+        self._go("MPI_Barrier", None, c.Barrier, c.Ibarrier, deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
         c = self.comm
         view, dt = self.ops.words(arr)
-        self._go("MPI_Bcast", c.Bcast, c.Ibcast, deadline, [view, dt], root)
+        self._go("MPI_Bcast", arr.nbytes, c.Bcast, c.Ibcast, deadline, [view, dt], root)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
         c = self.comm
         view, dt, op = self.ops.reduction(arr, combine)
-        self._go("MPI_Allreduce", c.Allreduce, c.Iallreduce, deadline, self.MPI.IN_PLACE, [view, dt], op)
+        self._go("MPI_Allreduce", arr.nbytes, c.Allreduce, c.Iallreduce, deadline, self.MPI.IN_PLACE,
+                 [view, dt], op)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
         c = self.comm
         view, dt, op = self.ops.reduction(arr, combine)
         if self.rank == root:
-            self._go("MPI_Reduce", c.Reduce, c.Ireduce, deadline, self.MPI.IN_PLACE, [view, dt], op, root)
+            args: tuple[Any, ...] = (self.MPI.IN_PLACE, [view, dt], op, root)
         else:
-            self._go("MPI_Reduce", c.Reduce, c.Ireduce, deadline, [view, dt], None, op, root)
+            args = ([view, dt], None, op, root)
+        self._go("MPI_Reduce", arr.nbytes, c.Reduce, c.Ireduce, deadline, *args)
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
         c = self.comm
         view, dt = self.ops.words(out)
-        self._go("MPI_Allgather", c.Allgather, c.Iallgather, deadline, self.MPI.IN_PLACE, [view, dt])
+        self._go("MPI_Allgather", out.nbytes, c.Allgather, c.Iallgather, deadline, self.MPI.IN_PLACE, [view, dt])
 
     def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
                deadline: Deadline) -> None:
@@ -278,7 +314,7 @@ class MpiCollectives:
         if self.rank == root:
             assert out is not None
             recv = [out.view(view.dtype), dt]
-        self._go("MPI_Gather", c.Gather, c.Igather, deadline, [view, dt], recv, root)
+        self._go("MPI_Gather", send.nbytes, c.Gather, c.Igather, deadline, [view, dt], recv, root)
 
     def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
                 deadline: Deadline) -> None:
@@ -288,14 +324,14 @@ class MpiCollectives:
         if self.rank == root:
             assert buf is not None
             send = [buf.view(view.dtype), dt]
-        self._go("MPI_Scatter", c.Scatter, c.Iscatter, deadline, send, [view, dt], root)
+        self._go("MPI_Scatter", out.nbytes, c.Scatter, c.Iscatter, deadline, send, [view, dt], root)
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Any, seq: int,
                        deadline: Deadline) -> None:
         c = self.comm
         view, dt, op = self.ops.reduction(out, combine)
-        self._go("MPI_Reduce_scatter_block", c.Reduce_scatter_block, c.Ireduce_scatter_block, deadline,
-                 [inp.view(view.dtype), dt], [view, dt], op)
+        self._go("MPI_Reduce_scatter_block", out.nbytes, c.Reduce_scatter_block, c.Ireduce_scatter_block,
+                 deadline, [inp.view(view.dtype), dt], [view, dt], op)
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
                  send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
@@ -305,8 +341,14 @@ class MpiCollectives:
         per = send.dtype.itemsize // sview.dtype.itemsize  # words per element
         scounts = [n * per for n in send_counts]
         rcounts = [n * per for n in recv_counts]
-        self._go("MPI_Alltoallv", c.Alltoallv, c.Ialltoallv, deadline,
+        self._go("MPI_Alltoallv", None, c.Alltoallv, c.Ialltoallv, deadline,
                  [sview, (scounts, _displs(scounts)), dt], [rview, (rcounts, _displs(rcounts)), dt])
+
+
+@functools.cache
+def _nonblocking_name(name: str) -> str:
+    """``MPI_Allreduce`` -> ``MPI_Iallreduce``."""
+    return f"MPI_I{name[4:].lower()}"
 
 
 def _displs(counts: Sequence[int]) -> list[int]:
@@ -334,7 +376,45 @@ class MpiProcessGroup(ChannelProcessGroup):
 
         channel = MpiChannel(rt, comm, describe)
         self.collectives = MpiCollectives(rt, comm, group_name)
+        #: (id(op), dtype) -> (op, logical dtype name, checked op, view dtype, MPI datatype, MPI op)
+        #: for all_reduce straight to MPI, or (op, None, ...) when the generic path is needed.
+        self._plans: dict[tuple[int, np.dtype], tuple[Any, ...]] = {}
         super().__init__(channel, group_name, timeout, ranks, algorithms=self.collectives)
+
+    def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Any:
+        """A NumPy array with an op MPI computes goes straight to MPI; the rest as any group."""
+        if type(tensor) is np.ndarray:
+            plan = self._plans.get((id(op), tensor.dtype))
+            if plan is None or plan[0] is not op:
+                plan = self._plan(tensor, op)
+            flags = tensor.flags
+            if plan[1] is not None and flags.c_contiguous and flags.writeable:
+                _, name, checked, view_dtype, mpi_type, mpi_op = plan
+                buf = [tensor if view_dtype == tensor.dtype else tensor.view(view_dtype), mpi_type]
+                go, comm, in_place, nbytes = self.collectives._go, self.comm, self.rt.MPI.IN_PLACE, tensor.nbytes
+
+                def run(seq: int, deadline: Deadline) -> None:
+                    go("MPI_Allreduce", nbytes, comm.Allreduce, comm.Iallreduce, deadline, in_place, buf, mpi_op)
+
+                return self._submit("all_reduce", run, async_op, tensor, (tensor.shape, name, None, checked, None))
+        return super().allreduce(tensor, op, async_op)
+
+    def _plan(self, arr: np.ndarray, op: Any) -> tuple[Any, ...]:
+        """How ``all_reduce(arr, op)`` maps onto MPI, cached (see :attr:`_plans`)."""
+        try:  # on an empty array of the dtype: the plan depends on dtype and op only
+            ref = self._ref(np.empty(0, arr.dtype), "tensor")
+            checked, combine = op_combiner(op, ref.dtype)
+        except DistError:
+            return (op, None)  # the generic path raises the error
+        if checked.name in ("AVG", "PREMUL_SUM"):  # finished locally after the sum
+            plan: tuple[Any, ...] = (op, None)
+        else:
+            view, mpi_type, mpi_op = self.collectives.ops.reduction(ref.array, combine)
+            plan = (op, ref.dtype, checked, view.dtype, mpi_type, mpi_op)
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        self._plans[(id(op), arr.dtype)] = plan
+        return plan
 
     def _cancel_pending(self, cause: BaseException) -> None:
         self.collectives.fail(cause)

@@ -13,6 +13,11 @@ naming it.
 collectives go through in rounds of one slot) and ``DISTCOMM_SHM_SMALL_BYTES``
 the largest ``all_reduce`` done in one phase by every rank (default 64 KiB).
 
+Large ``all_reduce``, ``all_gather_into_tensor`` and even ``all_to_all_single``
+read peers' private arrays in place where the kernel allows it (cross-memory
+attach, probed when the group is made; ``DISTCOMM_SHM_CMA=0`` turns it off),
+from ``DISTCOMM_SHM_REMOTE_BYTES`` up (see :mod:`.shm_collectives`).
+
 The world group (the one named ``"default"`` by the backend factories) also
 opens every rank's heap (:mod:`~distcomm.transport.shm_heap`,
 ``DISTCOMM_SHM_HEAP_BYTES``, default 1 GiB of address space, 0 for none),
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,6 +43,7 @@ from ..errors import DistBackendError, DistInputError
 from ..store import PrefixStore, Store
 from ..store.exchange import all_gather_strings
 from ..transport.shm_channel import ShmChannel
+from ..transport.shm_cma import PeerReader, cma_wanted, probe_peer, probe_token
 from ..transport.shm_heap import Heap, SharedHeaps, heap_bytes
 from ..transport.shm_segment import Segment, host_key, open_shared
 from ..transport.shm_sync import LINE, Control, control_bytes
@@ -94,19 +101,39 @@ class ShmProcessGroup(ChannelProcessGroup):
             self._segment = open_shared(store, rank, size, "coll", ctl_bytes + 2 * size * slot, timeout)
             mem = self._segment.buf
             self._control = Control(mem[:ctl_bytes], rank, size, describe, local_ranks, ranks)
-            pids = all_gather_strings(store, rank, size, "pids", str(os.getpid()), timeout)
-            self._control.watch({r: int(p) for r, p in enumerate(pids)})
+            token, probe = probe_token()
+            mine = f"{os.getpid()} {probe if cma_wanted() else '-'}"
+            seen = [s.split(" ", 1) for s in all_gather_strings(store, rank, size, "pids", mine, timeout)]
+            pids = [int(pid) for pid, _ in seen]
+            self._control.watch(dict(enumerate(pids)))
+            reader = self._agree_on_reader(store, rank, size, pids, [p for _, p in seen], describe, ranks, timeout)
+            del token  # every peer has probed it (the agreement above waited for all)
             slots = [
                 [np.frombuffer(mem, np.uint8, slot, ctl_bytes + (2 * r + b) * slot) for b in (0, 1)]
                 for r in range(size)
             ]
-            collectives = ShmCollectives(self._control, slots, small, heaps)
+            remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 4 << 20, 0)
+            collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
                                       describe=describe, local_ranks=local_ranks)
         except BaseException:
             self._close_memory()
             raise
         super().__init__(channel, group_name, timeout, ranks, algorithms=collectives)
+
+    @staticmethod
+    def _agree_on_reader(store: Store, rank: int, size: int, pids: list[int], probes: list[str],
+                         describe: Callable[[int], str], ranks: list[int], timeout: float
+                         ) -> PeerReader | None:
+        """A reader of peers' memory if every rank can read every peer's (all agree), else None."""
+        if size == 1:
+            return None
+        reader = PeerReader(pids, describe, ranks) if probes[rank] != "-" else None
+        ok = reader is not None and all(
+            probe_peer(reader, r, p) for r, p in enumerate(probes) if r != rank and p != "-"
+        ) and "-" not in probes
+        votes = all_gather_strings(store, rank, size, "cma", "1" if ok else "0", timeout)
+        return reader if all(v == "1" for v in votes) else None
 
     def _open_heaps(self, store: Store, rank: int, size: int, ranks: list[int], group_name: str,
                     timeout: float) -> list[np.ndarray] | None:

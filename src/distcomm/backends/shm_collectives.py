@@ -52,6 +52,18 @@ and waits for every q3.  ``broadcast`` needs only the root's header (it
 decides alone): in direct mode non-roots copy from the root's array and post
 a second phase, for which the root waits.  Small collectives never go
 direct: the trailing phase would cost more than the copy saves.
+
+**Remote mode.**  Where the kernel lets ranks read each other's memory
+(:mod:`distcomm.transport.shm_cma`; the group agrees at creation), a private
+array of at least ``remote_bytes`` need not be copied into the slots either:
+its owner publishes its address (header word 3) instead of filling round 0,
+and peers read it where it lies, one kernel copy (``_Sources``).  The decision
+and the phases are those of direct mode, a rank's array being in its heap or
+readable through the kernel.  ``all_reduce`` and ``all_gather_into_tensor``
+use it; ``all_to_all_single`` with even blocks switches to it after round 0;
+``broadcast`` and ``reduce_scatter_tensor`` do not (their copies into the
+slots run on every rank at once, which beats one rank reading through the
+kernel).
 """
 
 from __future__ import annotations
@@ -61,13 +73,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..deadline import Deadline
+from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
 
 __all__ = ["ShmCollectives", "HEADER"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 #: Bytes at the start of each slot kept for a small header: 64-bit words,
-#: 0 all_to_all's "more to come", 1 and 2 a heap array's offset and size.
+#: 0 all_to_all's "more to come", 1 and 2 a heap array's offset and size,
+#: 3 the array's address in its process when peers may read it there (else 0).
 HEADER = 64
 #: Elements of one piece when a direct reduction with several peers goes piece by piece
 #: (the accumulator stays in cache while every peer's piece is added).
@@ -83,7 +97,48 @@ def _bounds(count: int, n: int, i: int) -> tuple[int, int]:
 
 
 def _flat(arr: np.ndarray) -> np.ndarray:
-    return arr.reshape(-1)
+    return arr if arr.ndim == 1 else arr.reshape(-1)
+
+
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+class _Sources:
+    """Where every rank's array of a direct collective lies, read from here: in a
+    peer's heap (mapped here) or in its private memory (through the reader).
+
+    ``get`` may return a scratch buffer that the next ``get`` overwrites.
+    """
+
+    def __init__(self, coll: ShmCollectives, like: np.ndarray, offs: list[int], addrs: list[int]) -> None:
+        self._coll = coll
+        self._like = like
+        self._offs = offs
+        self._addrs = addrs
+        self._size = like.itemsize
+
+    def get(self, j: int, lo: int, hi: int) -> np.ndarray:
+        """Elements ``lo:hi`` of rank j's array (at most a piece when read remotely)."""
+        coll, like = self._coll, self._like
+        if j == coll.rank:
+            return like[lo:hi]
+        isz = self._size
+        off = self._offs[j]
+        if off >= 0:
+            return coll.heaps[j][off + lo * isz : off + hi * isz].view(like.dtype)  # type: ignore[index]
+        buf = coll._scratch[: (hi - lo) * isz].view(like.dtype)
+        coll.reader.read(j, self._addrs[j] + lo * isz, buf)  # type: ignore[union-attr]
+        return buf
+
+    def copy(self, j: int, lo: int, hi: int, dest: np.ndarray) -> None:
+        """``dest`` (contiguous) = elements ``lo:hi`` of rank j's array."""
+        off = self._offs[j]
+        if off >= 0:
+            isz = self._size
+            dest[:] = self._coll.heaps[j][off + lo * isz : off + hi * isz].view(dest.dtype)  # type: ignore[index]
+        else:
+            self._coll.reader.read(j, self._addrs[j] + lo * self._size, dest)  # type: ignore[union-attr]
 
 
 class ShmCollectives:
@@ -102,7 +157,8 @@ class ShmCollectives:
     reduce_keeps_input = True
 
     def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int,
-                 heaps: list[np.ndarray] | None = None) -> None:
+                 heaps: list[np.ndarray] | None = None, reader: PeerReader | None = None,
+                 remote_bytes: int = 0) -> None:
         self.ctl = control
         self.rank = control.rank
         self.size = control.size
@@ -113,9 +169,19 @@ class ShmCollectives:
         self._next = [0] * self.size  # the slot each rank writes next
         self._free_at = [0, 0]  # my slot b is free once every rank posted this phase
         self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}
+        self._last_dtype: np.dtype | None = None  # the last _views answer, checked by identity
+        self._last_views: list[list[np.ndarray]] = []
+        self._small_key: tuple[np.dtype, int] | None = None
+        self._small: list[list[np.ndarray]] = []
         self._headers = [[s[:HEADER].view(np.int64) for s in pair] for pair in slots]
         self.heaps = heaps
         self.direct_calls = 0
+        #: Peers' private memory, read in place (cross-memory attach), or None.
+        self.reader = reader
+        #: Smallest array read that way (bytes).
+        self.remote_bytes = max(remote_bytes, self.small_bytes + 1)
+        self.remote_calls = 0
+        self._scratch = np.empty(_PIECE_BYTES, np.uint8)
         if heaps is not None:
             mine = heaps[self.rank]
             self._heap_base = mine.__array_interface__["data"][0]
@@ -123,12 +189,15 @@ class ShmCollectives:
 
     # -- phase machinery ----------------------------------------------------------------
     def _views(self, dtype: np.dtype) -> list[list[np.ndarray]]:
+        if dtype is self._last_dtype:
+            return self._last_views
         views = self._typed.get(dtype)
         if views is None:
             n = self.slot_bytes // dtype.itemsize
             views = self._typed[dtype] = [
                 [s[HEADER : HEADER + n * dtype.itemsize].view(dtype) for s in pair] for pair in self.slots
             ]
+        self._last_dtype, self._last_views = dtype, views
         return views
 
     def _begin(self) -> int:
@@ -167,49 +236,65 @@ class ShmCollectives:
         n, r = self.size, self.rank
         return [(r + k) % n for k in range(1, n)]
 
-    # -- direct mode (arrays in the heaps) ----------------------------------------------------
+    # -- direct mode (arrays read where they lie) ---------------------------------------------
     def _heap_offset(self, arr: np.ndarray) -> int:
         """Offset of ``arr`` in this rank's heap, -1 if it is not (all) there."""
-        off = arr.__array_interface__["data"][0] - self._heap_base
+        if self.heaps is None:
+            return -1
+        off = _address(arr) - self._heap_base
         return off if 0 <= off and off + arr.nbytes <= self._heap_len else -1
 
-    def _open(self, arr: np.ndarray, fill: Callable[[int], None], deadline: Deadline
-              ) -> tuple[str, int, list[int], list[int]]:
+    def _remote_address(self, arr: np.ndarray, off: int) -> int:
+        """``arr``'s address for peers to read it with the reader, or 0 (they will not)."""
+        if off < 0 and self.reader is not None and arr.nbytes >= self.remote_bytes:
+            return _address(arr)
+        return 0
+
+    @property
+    def _may_direct(self) -> bool:
+        return self.heaps is not None or self.reader is not None
+
+    def _open(self, arr: np.ndarray, fill: Callable[[int], None], deadline: Deadline,
+              remote: bool = True) -> tuple[str, int, list[int], _Sources | None]:
         """The first phase of a collective every rank may run direct on ``arr``.
 
-        Publishes ``arr``'s heap offset and size in this rank's slot header and,
-        unless ``arr`` is in the heap, calls ``fill(b)`` to write round 0 into
-        slot b; posts and waits for every rank.  Returns the decision (the same
-        on every rank: :data:`DIRECT`, :data:`SLOTS` or :data:`AGAIN`), the
-        phase, the slot each rank used and every rank's offset.
+        Publishes in this rank's slot header where peers can read ``arr`` (its
+        heap offset, or its address for the reader) and its size; if they
+        cannot, calls ``fill(b)`` to write round 0 into slot b.  Posts and waits
+        for every rank.  Returns the decision (the same on every rank:
+        :data:`DIRECT`, :data:`SLOTS` or :data:`AGAIN`), the phase, the slot
+        each rank used and, when direct, where every rank's array is.
         """
         me = self.rank
         off = self._heap_offset(arr)
+        addr = self._remote_address(arr, off) if remote else 0
         q = self._begin()
         used = self._all_write(deadline)
         head = self._headers[me][used[me]]
         head[1] = off
         head[2] = arr.nbytes
-        if off < 0:
+        head[3] = addr
+        if off < 0 and not addr:
             fill(used[me])
         self.ctl.post(q)
         self.ctl.wait_all(q, deadline)
         heads = [self._headers[j][used[j]] for j in range(self.size)]
         offs = [int(h[1]) for h in heads]
-        if all(o < 0 for o in offs):
-            return SLOTS, q, used, offs
+        addrs = [int(h[3]) for h in heads]
+        filled = [o < 0 and not a for o, a in zip(offs, addrs, strict=True)]
+        if all(filled):
+            return SLOTS, q, used, None
         self._read_until(used[me], q)
-        same = all(int(h[2]) == arr.nbytes for h in heads)
-        if same and all(0 <= o and o + arr.nbytes <= v.size for o, v in zip(offs, self.heaps, strict=True)):
+        fits = all(
+            o < 0 or o + arr.nbytes <= self.heaps[j].size for j, o in enumerate(offs)  # type: ignore[index]
+        )
+        if any(filled) or not fits or any(int(h[2]) != arr.nbytes for h in heads):
+            return AGAIN, q, used, None
+        if any(addrs):
+            self.remote_calls += 1
+        else:
             self.direct_calls += 1
-            return DIRECT, q, used, offs
-        return AGAIN, q, used, offs
-
-    def _peer(self, j: int, off: int, like: np.ndarray) -> np.ndarray:
-        """Rank j's heap array at ``off``, shaped like ``like`` (this rank's own for j = me)."""
-        if j == self.rank:
-            return like
-        return self.heaps[j][off : off + like.nbytes].view(like.dtype)
+        return DIRECT, q, used, _Sources(self, arr, offs, addrs)
 
     def _finish_direct(self, deadline: Deadline) -> None:
         """The trailing phase: every rank has finished reading peers' arrays."""
@@ -217,16 +302,15 @@ class ShmCollectives:
         self.ctl.post(q)
         self.ctl.wait_all(q, deadline)
 
-    def _reduce_from(self, acc: np.ndarray, parts: list[np.ndarray], combine: Combine) -> None:
-        """``acc`` combined with each of ``parts`` (same length), in order."""
-        if len(parts) == 1:
-            combine(acc, parts[0])
-            return
+    def _reduce_from(self, acc: np.ndarray, lo: int, peers: list[int], src: _Sources,
+                     combine: Combine) -> None:
+        """``acc`` combined with elements ``lo:lo + acc.size`` of each of ``peers``' arrays,
+        piece by piece (the accumulator and each piece stay in cache)."""
         step = max(1, _PIECE_BYTES // acc.itemsize)
-        for lo in range(0, acc.size, step):
-            a = acc[lo : lo + step]
-            for p in parts:
-                combine(a, p[lo : lo + step])
+        for p in range(0, acc.size, step):
+            a = acc[p : p + step]
+            for j in peers:
+                combine(a, src.get(j, lo + p, lo + p + a.size))
 
     # -- collectives ------------------------------------------------------------------------
     def barrier(self, seq: int, deadline: Deadline) -> None:
@@ -244,33 +328,48 @@ class ShmCollectives:
             self._allreduce_large(arr, combine, deadline)
 
     def _allreduce_small(self, arr: np.ndarray, combine: Combine, deadline: Deadline) -> None:
-        views = self._views(arr.dtype)
-        count = arr.size
+        small = self._small_views(arr.dtype, arr.size)
         q = self._begin()
         used = self._all_write(deadline)
         me = self.rank
-        views[me][used[me]][:count] = arr
+        small[me][used[me]][...] = arr
         self.ctl.post(q)
         self.ctl.wait_all(q, deadline)
-        arr[:] = views[0][used[0]][:count]
-        for j in range(1, self.size):
-            combine(arr, views[j][used[j]][:count])
+        into = getattr(combine, "into", None)
+        if into is not None:
+            into(small[0][used[0]], small[1][used[1]], arr)
+            first = 2
+        else:
+            arr[...] = small[0][used[0]]
+            first = 1
+        for j in range(first, self.size):
+            combine(arr, small[j][used[j]])
         self._read_until(used[me], q)
+
+    def _small_views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
+        """Every slot's first ``count`` elements of ``dtype`` (the last answer is kept:
+        a loop of small calls of one size pays for the views once)."""
+        key = (dtype, count)
+        if key != self._small_key:
+            views = self._views(dtype)
+            self._small = [[v[:count] for v in pair] for pair in views]
+            self._small_key = key
+        return self._small
 
     def _allreduce_large(self, arr: np.ndarray, combine: Combine, deadline: Deadline) -> None:
         views = self._views(arr.dtype)
         me = self.rank
         per = len(views[0][0])
         start = 0
-        if self.heaps is not None:
+        if self._may_direct:
             m0 = min(per, arr.size)
 
             def fill(b: int) -> None:
                 views[me][b][:m0] = arr[:m0]
 
-            mode, q, used, offs = self._open(arr, fill, deadline)
-            if mode == DIRECT:
-                self._allreduce_direct(arr, offs, combine, deadline)
+            mode, q, used, src = self._open(arr, fill, deadline)
+            if src is not None:
+                self._allreduce_direct(arr, src, combine, deadline)
                 return
             if mode == SLOTS:
                 self._allreduce_round(arr[:m0], q, used, views, combine, deadline)
@@ -305,10 +404,11 @@ class ShmCollectives:
             chunk[j0:j1] = views[j][used[j]][j0:j1]
         self._read_until(used[me], q2)
 
-    def _allreduce_direct(self, arr: np.ndarray, offs: list[int], combine: Combine,
+    def _allreduce_direct(self, arr: np.ndarray, src: _Sources, combine: Combine,
                           deadline: Deadline) -> None:
-        """Every rank's ``arr`` is in its heap: reduce slice ``me`` in place from every
-        rank's array, post, copy every other slice from the rank that reduced it.
+        """Every rank's ``arr`` is readable where it lies: reduce slice ``me`` in place
+        from every rank's array, post, copy every other slice from the rank that
+        reduced it.
 
         One data phase for the whole array: splitting it into pieces (so the copy
         reads what a peer just wrote, from the shared cache) showed no clear gain
@@ -317,15 +417,14 @@ class ShmCollectives:
         """
         n, me = self.size, self.rank
         others = self._others()
-        peers = [self._peer(j, offs[j], arr) for j in range(n)]
         s0, s1 = _bounds(arr.size, n, me)
-        self._reduce_from(arr[s0:s1], [peers[j][s0:s1] for j in others], combine)
+        self._reduce_from(arr[s0:s1], s0, others, src, combine)
         q = self._begin()
         self.ctl.post(q)
         for j in others:
             self.ctl.wait(j, q, deadline)
             j0, j1 = _bounds(arr.size, n, j)
-            arr[j0:j1] = peers[j][j0:j1]
+            src.copy(j, j0, j1, arr[j0:j1])
         self._finish_direct(deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
@@ -335,7 +434,7 @@ class ShmCollectives:
         per = self.slot_bytes
         me = self.rank
         # the root alone decides whether to go direct; round 0's header says so
-        heads = self.heaps is not None
+        heads = self._may_direct
         off = self._heap_offset(data) if heads and me == root and data.size > self.small_bytes else -1
         for lo in range(0, data.size, per):
             part = data[lo : lo + per]
@@ -358,17 +457,22 @@ class ShmCollectives:
             else:
                 self.ctl.post(q)
                 self.ctl.wait(root, q, deadline)
-                if lo == 0 and heads:
-                    head = self._headers[root][b]
-                    src, size = int(head[1]), int(head[2])
-                    if src >= 0:
-                        k = min(size, data.size, max(0, self.heaps[root].size - src))
-                        data[:k] = self.heaps[root][src : src + k]
-                        self.direct_calls += 1
-                        q2 = self._begin()
-                        self.ctl.post(q2)
-                        return
+                if lo == 0 and heads and self._copy_announced(data, root, self._headers[root][b]):
+                    q2 = self._begin()
+                    self.ctl.post(q2)
+                    return
                 part[:] = slot
+
+    def _copy_announced(self, data: np.ndarray, root: int, head: np.ndarray) -> bool:
+        """Copy the root's heap array into ``data`` if its header says where it lies
+        (at most the smaller of the two sizes); whether it did."""
+        src, size = int(head[1]), int(head[2])
+        if src < 0:
+            return False
+        k = min(size, data.size, max(0, self.heaps[root].size - src))  # type: ignore[index]
+        data[:k] = self.heaps[root][src : src + k]  # type: ignore[index]
+        self.direct_calls += 1
+        return True
 
     def reduce(self, arr: np.ndarray, combine: Combine, root: int, seq: int, deadline: Deadline) -> None:
         """Reduce into ``arr`` at ``root``; other ranks' ``arr`` is only read."""
@@ -402,7 +506,7 @@ class ShmCollectives:
             return
         m = out.size // n
         start = 0
-        if self.heaps is not None and out.nbytes > self.small_bytes:
+        if self._may_direct and out.nbytes > self.small_bytes:
             views = self._views(out.dtype)
             me = self.rank
             k = min(len(views[0][0]), m)
@@ -411,10 +515,10 @@ class ShmCollectives:
             def fill(b: int) -> None:
                 views[me][b][:k] = own[:k]
 
-            mode, q, used, offs = self._open(out, fill, deadline)
-            if mode == DIRECT:
+            mode, q, used, src = self._open(out, fill, deadline)
+            if src is not None:
                 for j in self._others():
-                    out[j * m : (j + 1) * m] = self._peer(j, offs[j], out)[j * m : (j + 1) * m]
+                    src.copy(j, j * m, (j + 1) * m, out[j * m : (j + 1) * m])
                 self._finish_direct(deadline)
                 return
             if mode == SLOTS:
@@ -512,7 +616,7 @@ class ShmCollectives:
         others = self._others()
         peers = [j for j in range(n) if j != me]
         start = 0
-        if self.heaps is not None and inp.nbytes > self.small_bytes:
+        if self._may_direct and inp.nbytes > self.small_bytes:
             k = min(per, m)
 
             def fill(b: int) -> None:
@@ -520,10 +624,11 @@ class ShmCollectives:
                 for d in others:
                     slot[d * per : d * per + k] = inp[d * m : d * m + k]
 
-            mode, q, used, offs = self._open(inp, fill, deadline)
-            if mode == DIRECT:
-                mine = slice(me * m, (me + 1) * m)
-                self._reduce_from(out, [self._peer(j, offs[j], inp)[mine] for j in peers], combine)
+            # peers' private inputs are not read in place: the copies into the slots,
+            # spread over every rank, beat one rank reading through the kernel
+            mode, q, used, src = self._open(inp, fill, deadline, remote=False)
+            if src is not None:
+                self._reduce_from(out, me * m, peers, src, combine)
                 self._finish_direct(deadline)
                 return
             if mode == SLOTS:
@@ -563,6 +668,8 @@ class ShmCollectives:
         views = self._views(send.dtype)
         per = len(views[0][0]) // n
         others = self._others()
+        # even splits of more than a round: the rest may be read from peers' send buffers
+        even = self._even_block(send, send_counts, recv_counts, per)
         lo = 0
         while True:
             q = self._begin()
@@ -574,7 +681,11 @@ class ShmCollectives:
                 if k:
                     slot[d * per : d * per + k] = send[s_off[d] + lo : s_off[d] + lo + k]
                 left = max(left, send_counts[d] - lo - k)
-            self._headers[me][used[me]][0] = left
+            head = self._headers[me][used[me]]
+            head[0] = left
+            if lo == 0 and self.reader is not None:
+                head[2] = even
+                head[3] = _address(send) if even else 0
             self.ctl.post(q)
             more = left > 0
             for j in others:
@@ -584,6 +695,26 @@ class ShmCollectives:
                     recv[r_off[j] + lo : r_off[j] + lo + k] = views[j][used[j]][me * per : me * per + k]
                 more = more or self._headers[j][used[j]][0] > 0
             self._read_until(used[me], q)
+            if lo == 0 and more and even:
+                heads = [self._headers[j][used[j]] for j in range(n)]
+                if all(int(h[2]) == even and int(h[3]) for h in heads):  # every rank alike
+                    self.remote_calls += 1
+                    src = _Sources(self, send, [-1] * n, [int(h[3]) for h in heads])
+                    for j in others:
+                        src.copy(j, me * even + per, (me + 1) * even, recv[r_off[j] + per : r_off[j] + even])
+                    self._finish_direct(deadline)
+                    return
             if not more:
                 return
             lo += per
+
+    def _even_block(self, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int],
+                    per: int) -> int:
+        """The block of an all_to_all whose blocks peers may read in this rank's send
+        buffer (every count equal, more than a round, large enough), else 0."""
+        if self.reader is None or send.nbytes < self.remote_bytes:
+            return 0
+        m = send_counts[0]
+        if m <= per or any(c != m for c in send_counts) or any(c != m for c in recv_counts):
+            return 0
+        return m

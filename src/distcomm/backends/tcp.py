@@ -85,7 +85,31 @@ class TcpBackend(BackendFactory):
 
     def subgroup(self, world_pg: Any, store: Store, ranks: list[int], group_rank: int, name: str,
                  timeout: float):
-        return TcpProcessGroup(world_pg.transport, ranks, name, timeout)
+        transport = getattr(world_pg, "transport", None)
+        if transport is None:  # a world of another backend (shm, mpi): connections of its own
+            return _OwnTcpGroup(store, group_rank, ranks, name, timeout)
+        return TcpProcessGroup(transport, ranks, name, timeout)
+
+
+class _OwnTcpGroup(TcpProcessGroup):
+    """A ``tcp`` group in a world without a TCP transport: it opens one for its members
+    (ranks 0..k-1 on the wire) and closes it with the group."""
+
+    def __init__(self, store: Store, group_rank: int, ranks: list[int], name: str, timeout: float) -> None:
+        transport = open_transport(store, group_rank, len(ranks), timeout)
+        self.transport = transport
+        try:
+            channel = transport.channel(group_id(name), list(range(len(ranks))))
+            ChannelProcessGroup.__init__(self, channel, name, timeout, ranks)
+        except BaseException:
+            transport.close()
+            raise
+
+    def _release(self) -> None:
+        try:
+            super()._release()
+        finally:
+            self.transport.close()
 
 
 Backend.register_backend("tcp", TcpBackend())

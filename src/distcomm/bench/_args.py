@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,27 @@ def positive(kind: type) -> Callable[[str], Any]:
         return v
 
     return parse
+
+
+def add_positive(parser: argparse.ArgumentParser, *flags: str, kind: type, default: Any, help: str) -> None:
+    """An option that takes a positive ``kind``; its help ends with the default."""
+    shown = f"{default:g}" if kind is float else default
+    parser.add_argument(*flags, type=positive(kind), default=default, help=f"{help} (default: {shown})")
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """``--json PATH``: where :func:`emit` also writes the numbers."""
+    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+
+
+def host_facts() -> dict[str, Any]:
+    """What every benchmark records about the machine and the command it ran."""
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "argv": list(sys.argv),
+    }
 
 
 def emit(results: dict, text: str, json_path: str | None) -> None:

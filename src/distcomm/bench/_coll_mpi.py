@@ -28,7 +28,7 @@ import sys
 import time
 from multiprocessing import connection
 
-from ._procs import EXIT_GRACE, HelperError, _child_env, _die_with_parent, serve
+from ._procs import EXIT_GRACE, HelperError, _child_env, _die_with_parent, output_tail, serve
 
 ENV_ADDR = "DISTCOMM_BENCH_MPI_ADDR"
 ENV_TOKEN = "DISTCOMM_BENCH_MPI_TOKEN"
@@ -143,12 +143,7 @@ class MpiJob:
         self.ranks = [ranks[r] for r in range(self.n)]
 
     def log_tail(self, lines: int = 6) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                tail = f.read().splitlines()[-lines:]
-        except OSError:
-            return ""
-        return ("; mpirun's output ends: " + " | ".join(tail)) if tail else ""
+        return output_tail(self.log_path, "; mpirun's output ends: ", lines)
 
     def close(self, grace: float = EXIT_GRACE) -> None:
         """Ask the ranks to leave; kill whatever is left after ``grace`` seconds."""

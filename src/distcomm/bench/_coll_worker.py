@@ -27,10 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from ..debug import recorder
 from ._coll_ops import Workload, build
 
-#: Calls before the first RSS sample of the memory phase.
-RSS_WARMUP = 100
+#: Calls before the first RSS sample of the memory phase: enough to fill distcomm's
+#: flight recorder (it keeps the last DISTCOMM_FLIGHT_RECORDER_SIZE operations, 2000
+#: by default, about 300 bytes each), so that what follows measures leaks, not the ring.
+RSS_WARMUP = 100 + recorder.size_from_env()
 
 
 def backend_problem(name: str) -> str | None:
@@ -252,7 +255,8 @@ def rss(conn: connection.Connection, lib: str, calls: int, nbytes: int, samples:
 
     Answers ``{"initial": b, "before": b, "after": b, "samples": [(call, b)],
     "wrong": k, "first_wrong": text | None}``; ``before`` is taken after
-    :data:`RSS_WARMUP` calls (one-time allocations), ``initial`` before any.
+    :data:`RSS_WARMUP` calls (one-time allocations, the flight recorder's ring filled),
+    ``initial`` before any.
     """
     adapter = LIBS[lib]
     w = build("all_reduce", nbytes, "float32", _state["rank"], _state["size"])

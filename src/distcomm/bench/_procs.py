@@ -40,6 +40,16 @@ THREAD_STACK = 256 * 1024
 EXIT_GRACE = 2.0
 
 
+def output_tail(path: str, intro: str, lines: int = 6) -> str:
+    """``intro`` and the last ``lines`` lines of the log at ``path`` (`` | `` between them); "" if none."""
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return (intro + " | ".join(tail)) if tail else ""
+
+
 class HelperError(RuntimeError):
     """A helper process failed, died or missed its deadline."""
 
@@ -139,12 +149,7 @@ class Helper:
             return None
 
     def log_tail(self, lines: int = 6) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                tail = f.read().splitlines()[-lines:]
-        except OSError:
-            return ""
-        return ("; its output ends: " + " | ".join(tail)) if tail else ""
+        return output_tail(self.log_path, "; its output ends: ", lines)
 
     def kill(self) -> None:
         """SIGKILL the process if it still runs, reap it and close the pipe.  Idempotent."""

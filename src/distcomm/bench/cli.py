@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "launch": ("distcomm.bench.launch", "distcomm run start-up against torchrun; kill-to-report time"),
     "ft": ("distcomm.bench.ft", "fault tolerance: Manager step overhead, chaos run (kill-to-resume, rejoin time)"),
     "debug": ("distcomm.bench.debug", "cost of DETAIL and the flight recorder; time to report a dead or silent rank"),
+    "mpi": ("distcomm.bench.mpi_overhead", "backend mpi's all_reduce against raw mpi4py in one mpirun job (overhead ratio)"),
+    "ddp": ("distcomm.bench.ddp", "DDP step time on backend distcomm against gloo, steps interleaved (needs torch)"),
     "plot": (
         "distcomm.bench.plot",
         "draw a 'bench collectives --json' file: busbw and p50 against size (needs matplotlib)",

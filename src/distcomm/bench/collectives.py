@@ -49,7 +49,6 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import os
-import platform
 import re
 import shutil
 import socket
@@ -59,7 +58,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import positive, run_bench
+from ._args import add_json_option, add_positive, host_facts, run_bench
 from ._coll_mpi import MpiJob, mpi_missing
 from ._coll_ops import (
     DEFAULT_OPS,
@@ -336,10 +335,7 @@ def _environment(libs: Sequence[str]) -> dict[str, Any]:
     from .. import __version__
 
     env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "argv": list(sys.argv),
+        **host_facts(),
         "numpy_version": numpy.__version__,
         "distcomm_version": __version__,
         "loadavg_start": _loadavg(),
@@ -566,8 +562,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = CollBenchConfig()
     parser.add_argument("--backend", default=d.backend, metavar="NAME",
                         help="distcomm backend: any registered one, e.g. tcp, shm, auto (default: tcp)")
-    parser.add_argument("-n", "--nproc", type=positive(int), default=d.world_size,
-                        help=f"ranks per library (default: {d.world_size})")
+    add_positive(parser, "-n", "--nproc", kind=int, default=d.world_size, help="ranks per library")
     parser.add_argument("--compare", action="append", choices=["torch", "mpi"], default=[],
                         help="also run torch.distributed (gloo) or mpi4py under mpirun, interleaved; repeatable")
     parser.add_argument("--ops", type=_ops, default=d.ops, metavar="OP,OP,...",
@@ -580,19 +575,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls per size: auto (2000 at 8 B to 4 at 64 MiB), N for every size, "
                              "or xF to scale auto (default: auto)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: iters/10, 2-50)")
-    parser.add_argument("--repeat", type=positive(int), default=d.repeat,
-                        help=f"interleaved repetitions; medians are reported (default: {d.repeat})")
+    add_positive(parser, "--repeat", kind=int, default=d.repeat, help="interleaved repetitions; medians are reported")
     parser.add_argument("--phases", type=_phases, default=None, metavar="P,P,...",
                         help="any of timing, rss, membw (default: timing,rss; and membw when the "
                              "backend is shm or auto)")
     parser.add_argument("--rss", action="store_true", help="only the rss phase (same as --phases rss)")
-    parser.add_argument("--rss-calls", type=positive(int), default=d.rss_calls,
-                        help=f"all_reduce calls of the rss phase (default: {d.rss_calls})")
+    add_positive(parser, "--rss-calls", kind=int, default=d.rss_calls, help="all_reduce calls of the rss phase")
     parser.add_argument("--membw-size", type=_one_size, default=d.membw_bytes, metavar="SIZE",
                         help="array each process copies in the membw phase (default: 64MiB)")
-    parser.add_argument("--timeout", type=positive(float), default=d.timeout,
-                        help=f"seconds a measurement may take before it fails (default: {d.timeout:g})")
-    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    add_positive(parser, "--timeout", kind=float, default=d.timeout,
+                 help="seconds a measurement may take before it fails")
+    add_json_option(parser)
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw busbw and p50 against size for every library (needs matplotlib)")
 

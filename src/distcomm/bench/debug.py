@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._args import positive, run_bench
+from ._args import add_json_option, add_positive, run_bench
 
 PROG = "distcomm bench debug"
 MODES = ("no recorder", "OFF", "DETAIL")
@@ -235,15 +235,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench debug``."""
     d = DebugBenchConfig()
     parser.add_argument("--backends", default=",".join(d.backends), help="comma-separated (default: tcp,shm)")
-    parser.add_argument("-n", "--nproc", type=positive(int), default=d.nproc, help=f"ranks (default: {d.nproc})")
-    parser.add_argument("--bytes", type=positive(int), default=d.nbytes, help=f"all_reduce size (default: {d.nbytes})")
-    parser.add_argument("--iters", type=positive(int), default=d.iters, help=f"calls per run (default: {d.iters})")
-    parser.add_argument("--repeat", type=positive(int), default=d.repeat,
-                        help=f"interleaved runs per mode (default: {d.repeat})")
+    add_positive(parser, "-n", "--nproc", kind=int, default=d.nproc, help="ranks")
+    add_positive(parser, "--bytes", kind=int, default=d.nbytes, help="all_reduce size")
+    add_positive(parser, "--iters", kind=int, default=d.iters, help="calls per run")
+    add_positive(parser, "--repeat", kind=int, default=d.repeat, help="interleaved runs per mode")
     parser.add_argument("--failures", action="store_true", help="also time failure reports (SIGKILL, silent rank)")
-    parser.add_argument("--fail-timeout", type=positive(float), default=d.fail_timeout,
-                        help=f"timeout of the silent-rank runs, seconds (default: {d.fail_timeout:g})")
-    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    add_positive(parser, "--fail-timeout", kind=float, default=d.fail_timeout,
+                 help="timeout of the silent-rank runs, seconds")
+    add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:

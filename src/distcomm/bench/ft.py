@@ -1,6 +1,6 @@
 """``distcomm bench ft``: what fault tolerance costs and how fast it heals.
 
-Two parts, each on this machine:
+Three parts, each on this machine:
 
 * **overhead**: the same data-parallel step (single-threaded NumPy work
   standing for the model's compute, an all-reduce of ``--grad-mb`` of gradients, the
@@ -10,8 +10,16 @@ Two parts, each on this machine:
 * **chaos**: ``examples/chaos.py`` (from a source checkout) with a model of
   ``--state-mb`` of state (weights + momentum), ``--kills`` SIGKILLs over
   ``--steps`` steps: survivors' time to commit again after a kill, a
-  restarted replica's time from process start to contributing again, and the
-  consistency checks.
+  restarted replica's time from process start to contributing again (split
+  into interpreter start, imports, setup and first step), and the
+  consistency checks; ``--ranks-per-replica`` makes every replica a group of
+  processes (one random rank is killed, its group restarts as a whole);
+* **startup**: what a restarted replica pays before it can do anything: the
+  interpreter, NumPy, and everything ``distcomm.ft`` loads for a replica, as
+  the package loads it now (lazily) and as it did when ``import distcomm``
+  imported every module (eager), in the same run; each with this
+  environment's bytecode setting and with a warm bytecode cache (as an
+  installed package has).  Wall and CPU time, median of ``--startup-runs``.
 
 Targets: ratio <= 1.15; survivors resume within heartbeat timeout + 1 s;
 restarted replica contributing within 2 s; zero inconsistencies, zero hangs.
@@ -22,9 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -44,8 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kills", type=int, default=20, help="chaos: SIGKILLs")
     parser.add_argument("--state-mb", type=float, default=10.0, help="chaos: model state (weights + momentum)")
     parser.add_argument("--step-sleep", type=float, default=0.05, help="chaos: extra time per step")
+    parser.add_argument("--ranks-per-replica", type=int, default=1, help="chaos: processes per replica")
+    parser.add_argument("--chaos-replicas", type=int, default=3, help="chaos: replicas")
+    parser.add_argument("--bytecode-cache", action="store_true",
+                        help="chaos: replicas cache bytecode (as an installed package); default: as this "
+                             "environment says (PYTHONDONTWRITEBYTECODE)")
+    parser.add_argument("--startup-runs", type=int, default=7, help="startup: runs of each variant")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--skip-chaos", action="store_true")
+    parser.add_argument("--skip-startup", action="store_true")
     parser.add_argument("--json", help="write the results here")
 
 
@@ -164,6 +182,9 @@ def chaos(args: argparse.Namespace) -> dict:
     cmd = [sys.executable, script, "--steps", str(args.steps), "--kills", str(args.kills),
            "--kill-every", "5", "--quiet-steps", "15", "--dim", str(dim), "--hidden", str(hidden),
            "--step-sleep", str(args.step_sleep), "--lr", "0.003", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
+           "--replicas", str(args.chaos_replicas), "--ranks-per-replica", str(args.ranks_per_replica),
+           "--min-replicas", str(min(2, args.chaos_replicas - 1)),
+           *(["--bytecode-cache"] if args.bytecode_cache else []),
            "--deadline", str(max(600, args.steps * 3)), "--json", out]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     try:
@@ -172,7 +193,7 @@ def chaos(args: argparse.Namespace) -> dict:
         os.unlink(out)
     except (OSError, ValueError):
         return {"error": f"chaos.py exited {proc.returncode}: {proc.stderr[-2000:]}"}
-    state_mb = 2 * (dim * hidden + 2 * hidden + 1) * 4 / 1e6
+    state_mb = 2 * (dim * hidden + 2 * hidden + 1) * 4 / 1e6  # over all ranks of a replica
     resume = report["survivor_resume_s"]
     back = report["restart_contributing_s"]
     report["state_mb"] = round(state_mb, 2)
@@ -187,16 +208,81 @@ def chaos(args: argparse.Namespace) -> dict:
     return report
 
 
+# -- startup -------------------------------------------------------------------------------------
+#: What a replica imports before its first collective (the backend is loaded by the first quorum).
+_FT_PATH = ("import numpy; from distcomm.ft import Manager; "
+            "from distcomm.backend_registry import resolve_backend; resolve_backend('auto', 'auto')")
+#: What ``import distcomm`` imported before it became lazy: every public name's module.
+_EAGER = ("import distcomm.functional, distcomm.api, distcomm.collectives, distcomm.object_collectives, "
+          "distcomm.launch.spawn, distcomm.shared_arrays, distcomm.store.rendezvous, "
+          "distcomm.debug.flight_recorder, distcomm.debug.levels, distcomm.backends.mpi")
+STARTUP_VARIANTS = {
+    "interpreter": "pass",
+    "numpy": "import numpy",
+    "ft_replica": _FT_PATH,
+    "ft_replica_eager": f"{_FT_PATH}; {_EAGER}",
+}
+
+
+def _time_child(code: str, env: dict) -> tuple[float, float]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def startup(args: argparse.Namespace) -> dict:
+    cache = tempfile.mkdtemp(prefix="distcomm-bench-pyc-")
+    base = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **os.environ}  # as the chaos replicas
+    modes = {
+        "as_is": base,  # this environment's bytecode setting
+        "bytecode_cache": {**{k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"},
+                           "PYTHONPYCACHEPREFIX": cache},
+    }
+    try:
+        for code in STARTUP_VARIANTS.values():  # warm the cache (and the page cache) once
+            _time_child(code, modes["bytecode_cache"])
+        samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for _ in range(args.startup_runs):  # interleaved, so a busy moment hurts every variant
+            for mode, env in modes.items():
+                for name, code in STARTUP_VARIANTS.items():
+                    samples.setdefault((mode, name), []).append(_time_child(code, env))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    out: dict = {"bytecode_writes_disabled_here": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
+                 "runs": args.startup_runs}
+    for mode in modes:
+        table = {}
+        for name in STARTUP_VARIANTS:
+            walls, cpus = zip(*samples[(mode, name)], strict=True)
+            table[name] = {"wall_ms": round(statistics.median(walls) * 1000, 1),
+                           "cpu_ms": round(statistics.median(cpus) * 1000, 1)}
+        table["lazy_over_eager_cpu"] = round(table["ft_replica"]["cpu_ms"] / table["ft_replica_eager"]["cpu_ms"], 3)
+        out[mode] = table
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    results: dict = {}
+    results: dict = {"load_average_start": [round(x, 2) for x in os.getloadavg()]}
     if not args.skip_overhead:
         print("overhead: plain group vs Manager ...", flush=True)
         results["overhead"] = o = overhead(args)
         print(f"  step time: plain {o['plain_step_ms']} ms, manager {o['manager_step_ms']} ms, "
               f"ratio {o['ratio']} (median of rounds {o['ratios']}; target <= 1.15: {'ok' if o['ok'] else 'MISSED'}) "
               f"[{o['replicas']} replicas, {o['grad_mb']} MB gradients]", flush=True)
+    if not args.skip_startup:
+        print(f"startup: interpreter, NumPy, a replica's imports (median of {args.startup_runs}) ...", flush=True)
+        results["startup"] = st = startup(args)
+        for mode in ("as_is", "bytecode_cache"):
+            t = st[mode]
+            print(f"  {mode:14s} " + ", ".join(f"{name} {t[name]['wall_ms']:.0f} ms ({t[name]['cpu_ms']:.0f} ms cpu)"
+                                              for name in STARTUP_VARIANTS)
+                  + f"; lazy/eager cpu {t['lazy_over_eager_cpu']}", flush=True)
     if not args.skip_chaos:
-        print(f"chaos: {args.kills} SIGKILLs over {args.steps} steps, {args.state_mb} MB of state ...", flush=True)
+        print(f"chaos: {args.kills} SIGKILLs over {args.steps} steps, {args.state_mb} MB of state, "
+              f"{args.chaos_replicas} replicas x {args.ranks_per_replica} rank(s) ...", flush=True)
         results["chaos"] = c = chaos(args)
         if "targets" in c:
             t = c["targets"]
@@ -205,14 +291,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"  restarted replica contributing after: {c['restart_contributing_s']} "
                   f"(target <= 2 s: {'ok' if t['contributing_ok'] else 'MISSED'})")
             b = c["restart_breakdown_s"]
-            print(f"    of which: python start + imports {b['python_start_and_imports']}, Manager() "
-                  f"{b['manager_setup']}, first step with recovery {b['first_step_with_recovery']}")
+            print(f"    of which: interpreter start {b['interpreter_start']}, imports {b['imports']}, "
+                  f"setup (model, groups, Manager()) {b['setup']}, first step with recovery {b['first_step']}")
+            if "group_exit_s" in c:
+                print(f"  a killed rank's group exits after {c['group_exit_s']}")
             print(f"  kills {c['kills']}, steps {c['steps']}, checks: "
                   f"{'all passed' if c['ok'] else c['problems']}; step time {c['step_time_s']}; "
                   f"{c['seconds']} s; final loss {c['final_eval_loss']:.5f} vs failure-free "
                   f"{c['reference_eval_loss']:.5f}")
         else:
             print(f"  {c}")
+    results["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average (1, 5, 15 min): {results['load_average_start']} at the start, "
+          f"{results['load_average']} at the end")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ._args import positive, run_bench
+from ._args import add_json_option, add_positive, run_bench
 
 PROG = "distcomm bench launch"
 
@@ -149,15 +149,9 @@ def _ready(line: str) -> tuple[int, int] | None:
     return (int(parts[0]), int(parts[1])) if len(parts) == 2 else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _kill_once(cfg: LaunchBenchConfig, tmp: str, restarts: int) -> dict[str, float]:
+    from ..testing import pid_alive  # (not imported with the command line)
+
     cmd = [sys.executable, "-m", "distcomm.run", "--standalone", "--nproc-per-node",
            str(cfg.nproc), "--max-restarts", str(restarts), "wait.py"]
     job = _Job(cmd, tmp)
@@ -182,7 +176,7 @@ def _kill_once(cfg: LaunchBenchConfig, tmp: str, restarts: int) -> dict[str, flo
             elif t0 and "was killed by SIGKILL" in line and "reported" not in out:
                 out["reported"] = now - t0
                 if restarts == 0:
-                    while any(_alive(p) for p in others) and time.monotonic() < deadline:
+                    while any(pid_alive(p) for p in others) and time.monotonic() < deadline:
                         time.sleep(0.001)
                     out["others stopped"] = time.monotonic() - t0
         if restarts == 0:
@@ -245,17 +239,13 @@ def format_results(r: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench launch``."""
     d = LaunchBenchConfig()
-    parser.add_argument("--nproc", type=positive(int), default=d.nproc,
-                        help=f"workers per job (default: {d.nproc})")
-    parser.add_argument("--repeat", type=positive(int), default=d.repeat,
-                        help=f"interleaved start-up runs per launcher (default: {d.repeat})")
-    parser.add_argument("--kills", type=positive(int), default=d.kills,
-                        help=f"kill measurements with and without restarts (default: {d.kills})")
+    add_positive(parser, "--nproc", kind=int, default=d.nproc, help="workers per job")
+    add_positive(parser, "--repeat", kind=int, default=d.repeat, help="interleaved start-up runs per launcher")
+    add_positive(parser, "--kills", kind=int, default=d.kills, help="kill measurements with and without restarts")
     parser.add_argument("--backend", default=d.backend, help=f"backend of the program (default: {d.backend})")
     parser.add_argument("--no-torch", action="store_true", help="skip torchrun")
-    parser.add_argument("--timeout", type=positive(float), default=d.timeout,
-                        help=f"seconds before one run gives up (default: {d.timeout:g})")
-    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    add_positive(parser, "--timeout", kind=float, default=d.timeout, help="seconds before one run gives up")
+    add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,6 @@ import importlib.metadata
 import importlib.util
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -41,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import positive, run_bench
+from ._args import add_json_option, add_positive, host_facts, run_bench
 from ._procs import HelperError, Pool, gather
 
 __all__ = [
@@ -286,12 +285,7 @@ def _rendezvous_result(parts: list[dict], n: int, t0: float, timeout: float) -> 
 
 
 def _environment(libs: Sequence[str]) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "argv": list(sys.argv),
-    }
+    env: dict[str, Any] = host_facts()
     for lib in libs:
         try:
             env[f"{lib}_version"] = importlib.metadata.version(lib)
@@ -567,23 +561,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", choices=["torch"], help="also measure torch.distributed.TCPStore, interleaved")
     parser.add_argument("--sizes", type=_int_list, default=d.sizes, metavar="N,N,...",
                         help="rendezvous client counts (default: 64,1024,4096)")
-    parser.add_argument("--clients", type=positive(int), default=d.clients,
-                        help=f"concurrent clients of the throughput test (default: {d.clients})")
-    parser.add_argument("--iters", type=positive(int), default=d.iters,
-                        help=f"set+get pairs per library and repetition in the latency test (default: {d.iters})")
-    parser.add_argument("--duration", type=positive(float), default=d.duration,
-                        help=f"seconds of the throughput test (default: {d.duration:g})")
-    parser.add_argument("--timeout", type=positive(float), default=d.timeout,
-                        help=f"seconds before a client or a measurement gives up (default: {d.timeout:g})")
-    parser.add_argument("--repeat", type=positive(int), default=d.repeat,
-                        help=f"interleaved repetitions; medians are reported (default: {d.repeat})")
-    parser.add_argument("--threads-per-proc", type=positive(int), default=d.threads_per_proc,
-                        help="rendezvous clients per helper process; at least 4 processes "
-                             f"(default: {d.threads_per_proc})")
+    add_positive(parser, "--clients", kind=int, default=d.clients, help="concurrent clients of the throughput test")
+    add_positive(parser, "--iters", kind=int, default=d.iters,
+                 help="set+get pairs per library and repetition in the latency test")
+    add_positive(parser, "--duration", kind=float, default=d.duration, help="seconds of the throughput test")
+    add_positive(parser, "--timeout", kind=float, default=d.timeout,
+                 help="seconds before a client or a measurement gives up")
+    add_positive(parser, "--repeat", kind=int, default=d.repeat, help="interleaved repetitions; medians are reported")
+    add_positive(parser, "--threads-per-proc", kind=int, default=d.threads_per_proc,
+                 help="rendezvous clients per helper process; at least 4 processes")
     parser.add_argument("--phases", type=_phase_list, default=d.phases, metavar="P,P,...",
                         help="which measurements: latency,throughput,rendezvous (default: all)")
     parser.add_argument("--host", default=d.host, help=f"address the servers listen on (default: {d.host})")
-    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ sequence number of their own, so they never meet the collective's messages.
 Every rank sees the same integers and takes the same decision; on a
 mismatch the ranks exchange full descriptions of their calls and each
 raises :class:`~distcomm.errors.DistDesyncError` saying what every rank
-passed, before any rank used a peer's data.
+passed, before any rank used a peer's data (the group stays usable).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 from ..deadline import Deadline
 from ..errors import DistDesyncError, DistTimeoutError
 from .log import get_logger
+from .recorder import info_fields
 
 __all__ = ["DetailChecker", "describe", "describe_text", "mismatch_text"]
 
@@ -71,16 +72,8 @@ def _mix(src: int, dst: int, count: int) -> int:
 
 def describe(op: str, seq: int, info: tuple) -> dict[str, Any]:
     """One rank's call as a small dict (JSON-friendly); group ranks."""
-    shape, dtype, root, redop, counts = info
-    d: dict[str, Any] = {"op": op, "seq": seq}
-    if shape is not None:
-        d["shape"] = list(shape)
-    if dtype is not None:
-        d["dtype"] = str(dtype)
-    if root is not None:
-        d["root"] = root
-    if redop is not None:
-        d["reduce_op"] = getattr(redop, "name", str(redop))
+    counts = info[4]
+    d: dict[str, Any] = {"op": op, "seq": seq, **info_fields(info)}
     if counts is not None:
         d["send_counts"], d["recv_counts"] = list(counts[0]), list(counts[1])
     return d
@@ -113,11 +106,11 @@ class DetailChecker:
     """The check of one group (installed as ``pg._detail`` by :mod:`.levels`).
 
     Groups of at most :data:`GATED_MAX` ranks whose collectives run over
-    their channel (``tcp``) or in shared memory (``shm``) send their four
-    integers straight to every peer and start the collective at once; it
-    waits for the peers' integers only where it would first use a peer's
-    data (:mod:`.gates`), so the check rides along with the collective.
-    Other groups all-gather the integers before the collective.
+    their channel (``tcp``) send their four integers straight to every peer
+    and start the collective at once; it waits for the peers' integers only
+    where it would first use a peer's data (:mod:`.gates`), so the check
+    rides along with the collective.  Other groups (shared memory, several
+    machines, larger) all-gather the integers before the collective.
     """
 
     def __init__(self, pg: Any) -> None:
@@ -184,11 +177,11 @@ class DetailChecker:
             calls = [decode_call(buf[r * REPORT_BYTES : (r + 1) * REPORT_BYTES]) for r in range(self._n)]
             raise self.desync_error(op, seq, calls)
 
-    def desync_error(self, op: str, seq: int, calls: list[dict[str, Any]], note: str = "") -> DistDesyncError:
+    def desync_error(self, op: str, seq: int, calls: list[dict[str, Any]]) -> DistDesyncError:
         pg = self.pg
         return DistDesyncError(
             f"{op} (seq {seq}) on group {pg.group_name!r}: DISTCOMM_DEBUG=DETAIL found that the ranks "
-            f"disagree: {mismatch_text(calls, pg.ranks)}{note}",
+            f"disagree: {mismatch_text(calls, pg.ranks)}",
             op=op, seq=seq, group=pg.group_name, rank=pg.ranks[pg.rank()], calls=calls,
         )
 

@@ -76,20 +76,12 @@ def _wall(t: float | None, offset: float) -> float | None:
 
 def _entry_json(e: list[Any], offset: float) -> dict[str, Any]:
     info = e[rec.F_INFO] or (None, None, None, None, None)
-    shape, dtype, root, redop, extra = info
+    extra = info[4]
     d: dict[str, Any] = {
         "group": e[rec.F_GROUP], "seq": e[rec.F_SEQ], "op": e[rec.F_OP], "state": e[rec.F_STATE],
         "scheduled": _wall(e[rec.F_SCHEDULED], offset), "started": _wall(e[rec.F_STARTED], offset),
-        "finished": _wall(e[rec.F_FINISHED], offset),
+        "finished": _wall(e[rec.F_FINISHED], offset), **rec.info_fields(info),
     }
-    if shape is not None:
-        d["shape"] = list(shape)
-    if dtype is not None:
-        d["dtype"] = str(dtype)
-    if root is not None:
-        d["root"] = root
-    if redop is not None:
-        d["reduce_op"] = getattr(redop, "name", str(redop))
     if e[rec.F_SEQ] is None:  # point to point: peer (group rank, None for any) and tag
         d["peer"] = e[rec.F_PEER]
         d["tag"] = extra

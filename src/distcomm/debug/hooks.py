@@ -6,6 +6,7 @@ timeout, time taken) and destruction.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -45,7 +46,7 @@ def world_started(store: Any, pg: Any, rank: int, size: int, timeout: float, sec
 def group_created(pg: Any, seconds: float) -> None:
     levels.track(pg)
     flight_recorder.track(pg)
-    if _log.isEnabledFor(20):
+    if _log.isEnabledFor(logging.INFO):
         kind = type(pg).__name__
         machines = getattr(pg, "machines", None)
         how = f" over {machines} machines" if machines else ""

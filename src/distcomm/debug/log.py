@@ -22,9 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
 
-__all__ = ["get_logger", "configure", "set_rank", "group_logger", "RankFilter"]
+__all__ = ["get_logger", "configure", "set_rank", "RankFilter"]
 
 PACKAGE = "distcomm"
 ENV_LEVEL = "DISTCOMM_LOG_LEVEL"
@@ -85,11 +84,6 @@ def get_logger(name: str) -> logging.Logger:
     return logger
 
 
-def group_logger(name: str, group: str) -> logging.LoggerAdapter:
-    """``get_logger(name)`` whose records name ``group``."""
-    return logging.LoggerAdapter(get_logger(name), {"group": group})
-
-
 def _level_from_env() -> int | None:
     raw = os.environ.get(ENV_LEVEL, "").strip().upper()
     if raw:
@@ -123,8 +117,3 @@ def configure(debug_info: bool = False) -> None:
         level = logging.INFO
     pkg.setLevel(logging.NOTSET if level is None else level)
     _fallback.setLevel(logging.WARNING if level is None else level)
-
-
-def extra(group: str) -> dict[str, Any]:
-    """``extra=`` for a record about ``group``."""
-    return {"group": group}

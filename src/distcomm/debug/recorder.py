@@ -23,6 +23,7 @@ DEFAULT_SIZE = 2000
 ENV_SIZE = "DISTCOMM_FLIGHT_RECORDER_SIZE"
 
 # Fields of an entry (point-to-point entries add F_WORK, a weak reference to their Work).
+# group.py's fast path writes F_FINISHED and F_STATE by number: keep them 2 and 3.
 F_SCHEDULED, F_STARTED, F_FINISHED, F_STATE, F_GROUP, F_SEQ, F_OP, F_INFO, F_PEER, F_ERROR, F_WORK = range(11)
 
 SCHEDULED = "scheduled"
@@ -63,6 +64,22 @@ def entry(group: str, seq: int | None, op: str, info: Any, state: str, peer: Any
     e = [t, t if state == STARTED else None, None, state, group, seq, op, info, peer, None]
     ring.append(e)  # type: ignore[union-attr]
     return e
+
+
+def info_fields(info: tuple) -> dict[str, Any]:
+    """The JSON fields of an operation's ``info`` (shape, dtype, root, reduce op, extra)
+    that are set; ``extra`` (counts or a tag) is left to the caller."""
+    shape, dtype, root, redop, _ = info
+    d: dict[str, Any] = {}
+    if shape is not None:
+        d["shape"] = list(shape)
+    if dtype is not None:
+        d["dtype"] = str(dtype)
+    if root is not None:
+        d["root"] = root
+    if redop is not None:
+        d["reduce_op"] = getattr(redop, "name", str(redop))
+    return d
 
 
 def finish(e: list[Any], error: BaseException | None = None) -> None:

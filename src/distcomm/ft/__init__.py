@@ -4,7 +4,8 @@ In torchft's vocabulary: a job is several *replicas* (copies of the model
 that train on different data); a *lighthouse* decides each step which
 replicas take part (the *quorum*); each replica's :class:`Manager` turns that
 quorum into a process group, averages gradients over it, and agrees with the
-others whether the step is *committed*.  A replica that was killed and
+others whether the step is *committed*.  A replica may be several processes
+(a *replica group*, one Manager per rank; see :mod:`.replica_group`).  A replica that was killed and
 restarted gets the current state from a healthy peer and trains on.  See
 docs/fault-tolerance.md.
 """
@@ -25,6 +26,7 @@ _WHERE = {
     "ProcessGroupDummy": ".wrappers",
     "ProcessGroupWrapper": ".wrappers",
     "ReconfigurableProcessGroup": ".reconfigurable",
+    "ReplicaGroupError": ".replica_group",
     "SubprocessProcessGroup": ".subprocess_group",
     "create_store_client": ".store",
 }
@@ -54,6 +56,7 @@ __all__ = [
     "ProcessGroupDummy",
     "ProcessGroupWrapper",
     "ReconfigurableProcessGroup",
+    "ReplicaGroupError",
     "SubprocessProcessGroup",
     "create_store_client",
 ]

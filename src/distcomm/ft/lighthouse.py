@@ -20,7 +20,8 @@ more than half of the live replicas have asked, or at the join timeout with
 at least ``--min-replicas``.  The quorum id goes up whenever the members
 (replica ids and process instances) change, or a member asks for a fresh
 group because its own failed.  A second live replica with an id already in
-use is refused with an error naming the first.
+use is refused with an error naming the first, and so is a replica group
+whose number of ranks differs from the live replicas'.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Replica:
     instance: str
     host: str = ""
     pid: int = 0
+    world_size: int = 1  # ranks in the replica group
     step: int = 0
     commit_id: str = ""
     address: dict = field(default_factory=dict)
@@ -76,6 +78,7 @@ class Replica:
             "instance": self.instance,
             "host": self.host,
             "pid": self.pid,
+            "world_size": self.world_size,
             "step": self.step,
             "alive": self.alive,
             "waiting_for_quorum": self.joined_at is not None,
@@ -128,7 +131,15 @@ class Lighthouse:
                 f"{old.host or 'unknown host'}, last heartbeat {now - old.last_heartbeat:.1f} s ago); "
                 "give every replica a unique id"
             )
-        r = Replica(rid, inst, host=str(msg.get("host", "")), pid=int(msg.get("pid", 0)),
+        size = int(msg.get("world_size", 1))
+        others = sorted(r.replica_id for r in self.live() if r.replica_id != rid and r.world_size != size)
+        if others:
+            theirs = self.replicas[others[0]].world_size
+            return None, (
+                f"replica {rid!r} has {size} rank(s) but the live replicas {others} have {theirs}; "
+                "every replica group must have the same number of ranks (rank i of each forms a group)"
+            )
+        r = Replica(rid, inst, host=str(msg.get("host", "")), pid=int(msg.get("pid", 0)), world_size=size,
                     step=int(msg.get("step", 0)), commit_id=str(msg.get("commit_id", "")),
                     address=dict(msg.get("address") or {}), writer=writer)
         if old is not None and old.instance == inst:

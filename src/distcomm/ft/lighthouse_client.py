@@ -234,14 +234,19 @@ class LighthouseClient:
         self._waiting_reason = ""
         return answer
 
-    def close(self) -> None:
-        """Say goodbye (a departure, not a failure) and stop the threads."""
+    def close(self, leave: bool = True) -> None:
+        """Say goodbye (a departure, not a failure) and stop the threads.
+
+        With ``leave=False`` the connection just closes: the lighthouse counts
+        this replica as failed and tells the other members at once.
+        """
         if self._closed:
             return
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._write({"op": "leave"})
+        if leave:
+            self._write({"op": "leave"})
         with self._wlock:
             sock = self._sock
         if sock is not None:

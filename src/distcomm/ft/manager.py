@@ -22,7 +22,13 @@ first one's state (``init_sync``), so all start from the same weights.
 never raise for a failed peer: the error is kept (``errored()``) and
 ``should_commit`` returns False.  What cannot be fixed by trying again next
 step (the lighthouse unreachable, this replica's id taken, no quorum within
-``quorum_timeout``) is raised by ``wait_quorum`` and ``should_commit``.
+``quorum_timeout``, a rank of this replica group died) is raised by
+``wait_quorum`` and ``should_commit``.
+
+A replica of several ranks has one Manager per rank (``rank``,
+``world_size``, a shared ``store``); rank 0 speaks to the lighthouse for the
+group, and rank ``i`` averages with and recovers from rank ``i`` of the
+other replicas (:mod:`.replica_group`).
 """
 
 from __future__ import annotations
@@ -42,11 +48,14 @@ from ..arrays import as_array
 from ..deadline import Timeout, to_seconds
 from ..errors import DistBackendError, DistError, DistInputError, DistNetworkError
 from ..reduce_op import ReduceOp
-from ..store import TCPStore
+from ..store import Store, TCPStore
+from ..store.auth import ENV_VAR as AUTH_ENV_VAR
+from ..store.auth import DistAuthenticationError
 from ..work import Work, completed
 from .lighthouse_client import LighthouseClient, info_of_this_process
 from .reconfigurable import ReconfigurableProcessGroup
 from .recovery import ChecksumError, RecoveryServer, fetch_state
+from .replica_group import ReplicaGroupClient, ReplicaGroupServer, server_key
 
 __all__ = ["Manager"]
 
@@ -58,13 +67,22 @@ class _QuorumError(DistError):
 
 
 class Manager:
-    """Fault-tolerant training for one replica (one process).
+    """Fault-tolerant training for one rank of one replica.
 
     ``replica_id`` must be unique among live replicas; ``lighthouse_addr``
     (``host:port``, default ``$DISTCOMM_LIGHTHOUSE``) is the lighthouse's.
     ``timeout`` bounds each collective and group creation; ``quorum_timeout``
     how long a step waits for its quorum; ``connect_timeout`` how long the
     lighthouse may be unreachable.
+
+    A replica of several processes (a replica group) gives each its ``rank``
+    and the group's ``world_size``, and a ``store`` the group's ranks share
+    (a :class:`~distcomm.store.Store` or ``"host:port"`` of a TCPStore;
+    default ``$MASTER_ADDR:$MASTER_PORT``, as ``distcomm run`` sets): rank 0
+    talks to the lighthouse for the group (:mod:`.replica_group`), rank
+    ``i`` averages with rank ``i`` of the other replicas and recovers from
+    rank ``i`` of a healthy one.  If a rank of the group dies, the others
+    raise :class:`~.replica_group.ReplicaGroupError`: restart the group as a whole.
     """
 
     def __init__(
@@ -81,13 +99,22 @@ class Manager:
         init_sync: bool = True,
         allow_pickle: bool = False,
         pg: ReconfigurableProcessGroup | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        store: Store | str | None = None,
     ) -> None:
         addr = lighthouse_addr or os.environ.get("DISTCOMM_LIGHTHOUSE")
-        if not addr:
+        if not addr and rank == 0:
             raise DistInputError("give lighthouse_addr ('host:port') or set DISTCOMM_LIGHTHOUSE")
         if not isinstance(replica_id, str) or not replica_id:
             raise DistInputError(f"replica_id must be a non-empty str, got {replica_id!r}")
+        for name, value in (("rank", rank), ("world_size", world_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise DistInputError(f"{name} must be an int, got {value!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise DistInputError(f"rank {rank} is not in [0, world_size={world_size})")
         self.replica_id = replica_id
+        self.group_rank, self.group_world_size = rank, world_size
         self.timeout = to_seconds(timeout)
         self.quorum_timeout = to_seconds(quorum_timeout)
         self.init_sync = init_sync
@@ -113,24 +140,68 @@ class Manager:
         self._world = 0
         self.stats: dict[str, Any] = {"heals": 0, "heal_seconds": [], "configures": 0,
                                       "configure_seconds": [], "checksum_failures": 0}
-        self._client: LighthouseClient | None = None
+        self._client: LighthouseClient | ReplicaGroupClient | None = None
+        self._server: ReplicaGroupServer | None = None
+        self._group_store: Store | None = None  # the replica group's shared store (world_size > 1)
         self._store: TCPStore | None = None
         self._recovery: RecoveryServer | None = None
         self._executor: ThreadPoolExecutor | None = None
+        connect = to_seconds(connect_timeout)
+        if world_size > 1 and store is None:
+            store = _env_store_addr(world_size)
         try:
-            self._client = LighthouseClient(
-                addr, replica_id, connect_timeout=to_seconds(connect_timeout),
-                heartbeat_interval=heartbeat_interval, info=info_of_this_process(),
-                on_member_failed=self._member_failed,
-            )
-            host = hostname or os.environ.get("DISTCOMM_HOSTNAME") or self._client.local_host
-            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+            lighthouse = None
+            if rank == 0:
+                lighthouse = LighthouseClient(
+                    addr, replica_id, connect_timeout=connect, heartbeat_interval=heartbeat_interval,
+                    info=info_of_this_process({"world_size": world_size}),
+                    on_member_failed=self._member_failed,
+                )
+                self._client = lighthouse
+            host = hostname or os.environ.get("DISTCOMM_HOSTNAME") or (
+                lighthouse.local_host if lighthouse is not None else None)
+            if world_size > 1:
+                self._join_replica_group(lighthouse, host, store, connect)
+                host = host or self._client.local_host  # type: ignore[union-attr]
+            assert host is not None
+            self._address: dict[str, str] = {}
+            if rank == 0:
+                self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+                self._address["store"] = f"{host}:{self._store.port}"
             self._recovery = RecoveryServer(host, self._snapshot, allow_pickle=allow_pickle)
-            self._address = {"store": f"{host}:{self._store.port}", "recovery": self._recovery.address}
+            self._address["recovery"] = self._recovery.address
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="distcomm-ft-quorum")
         except BaseException:
             self.shutdown()
             raise
+
+    def _join_replica_group(self, lighthouse: LighthouseClient | None, host: str | None,
+                            store: Store | str | None, connect: float) -> None:
+        """Rank 0 serves the group (and publishes where); every rank connects to it."""
+        if store is None or isinstance(store, str):
+            h, _, port = (store or "").rpartition(":")
+            if not h or not port.isdigit():
+                raise DistInputError(f"store {store!r} is not of the form 'host:port'")
+            self._group_store = TCPStore(h.strip("[]"), int(port), is_master=False, timeout=connect)
+            store = self._group_store
+        key = server_key(self.replica_id)
+        if lighthouse is not None:
+            self._server = ReplicaGroupServer(host or lighthouse.local_host, self.replica_id,
+                                              self.group_world_size, lighthouse)
+            lighthouse.on_member_failed = self._server.member_failed
+            store.set(key, self._server.address)
+            address = self._server.address
+            lookup = lambda timeout: address  # noqa: E731
+        else:
+            shared = store
+
+            def lookup(timeout: float) -> str:
+                shared.wait([key], timeout)
+                return shared.get(key).decode()
+
+        self._client = ReplicaGroupClient(
+            lookup, self.replica_id, self.group_rank, self.group_world_size, connect_timeout=connect,
+            on_member_failed=self._member_failed, on_broken=self._group_broken)
 
     # -- state registration ------------------------------------------------------------
     def register_state_dict_fn(self, key: str, load_fn: Callable[[Any], None] | None,
@@ -238,6 +309,15 @@ class Manager:
                 decision = bool(vote[0] == 1)
             except Exception as e:  # noqa: BLE001 - a failed vote is a no
                 self.report_error(e)
+        if isinstance(self._client, ReplicaGroupClient):
+            # every rank of this replica decides alike: rank i voted with rank i of the others
+            try:
+                # a rank dying is seen at once; the timeout only catches a hung one
+                decision = self._client.agree(decision, self._step + 1, self.timeout + self.quorum_timeout)
+            except DistError as e:
+                self._fatal = e
+                self.report_error(e)
+                decision = False
         with self._cond:
             if decision:
                 self._step += 1
@@ -252,6 +332,8 @@ class Manager:
         if not decision:
             log.info("replica %s: step %d discarded (%s)", self.replica_id, self._step + 1,
                      self._errored or "a peer voted no")
+        if self._fatal is not None and not decision:
+            raise self._fatal  # this replica group broke (a rank died): restart it
         return decision
 
     # -- errors ----------------------------------------------------------------------------
@@ -332,7 +414,14 @@ class Manager:
                 raise DistBackendError(f"a member of quorum {key[1]} died before its group was built")
             store = healthy[0]["address"]["store"]
             t0 = time.monotonic()
-            self.pg.configure(f"{store}/ft/{key[0]}/{key[1]}", rank, len(members))
+            try:
+                self.pg.configure(f"{store}/ft/{key[0]}/{key[1]}/{self.group_rank}", rank, len(members))
+            except DistAuthenticationError as e:  # no retry fixes it: say what to do
+                fatal = DistAuthenticationError(
+                    f"replica {self.replica_id} cannot join the group on {healthy[0]['replica_id']}'s store at "
+                    f"{store}: {e}; every replica must use the same {AUTH_ENV_VAR} (distcomm run draws a "
+                    f"token per job unless it is set: export one before starting every replica)", addr=store)
+                raise _QuorumError(str(fatal)) from fatal
             self.stats["configures"] += 1
             self.stats["configure_seconds"].append(time.monotonic() - t0)
             self._quorum_key = key
@@ -346,7 +435,7 @@ class Manager:
         for src in sources:
             try:
                 got_step, commit_id, tree = fetch_state(
-                    src["address"]["recovery"], step, src["commit_id"], self._staging.setdefault(
+                    _recovery_address(src, self.group_rank), step, src["commit_id"], self._staging.setdefault(
                         src["replica_id"], {}), timeout=self.timeout, allow_pickle=self.allow_pickle)
             except ChecksumError as e:
                 self.stats["checksum_failures"] += 1
@@ -402,6 +491,11 @@ class Manager:
                 f"replica {note.get('replica_id')} of quorum {note.get('quorum_id')} failed: {note.get('why')}",
                 peer=note.get("replica_id")))
 
+    def _group_broken(self, e: BaseException) -> None:
+        """A rank of this replica group died: nothing this group does from now on can count."""
+        self._fatal = e
+        self.pg.abort(e)
+
     # -- teardown ---------------------------------------------------------------------------------
     def shutdown(self, wait: bool = True) -> None:
         """Leave the job: stop the threads, close the group, the store and the servers."""
@@ -412,7 +506,13 @@ class Manager:
             self.pg.abort(DistBackendError("the manager is shutting down"))
             executor.shutdown(wait=wait)
         self._client = None
+        if self._server is not None:
+            self._server.close()  # says goodbye to the lighthouse for the group
+            self._server = None
         self.pg.shutdown()
+        if self._group_store is not None:
+            self._group_store.close()
+            self._group_store = None
         if self._recovery is not None:
             self._recovery.close()
             self._recovery = None
@@ -425,6 +525,22 @@ class Manager:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _recovery_address(member: dict, group_rank: int) -> str:
+    """Where rank ``group_rank`` of a quorum member serves its state."""
+    address = member["address"]
+    ranks = address.get("ranks")
+    return ranks[group_rank] if ranks else address["recovery"]
+
+
+def _env_store_addr(world_size: int) -> str:
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise DistInputError(
+            f"a replica group of world_size={world_size} needs a store its ranks share: give store= "
+            "(a Store or 'host:port') or set MASTER_ADDR and MASTER_PORT (distcomm run does)")
+    return f"{host}:{port}"
 
 
 def _copy_into(target: Any, source: Any, where: str) -> None:

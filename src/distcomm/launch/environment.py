@@ -18,13 +18,14 @@ whose ids hash alike: set ``MASTER_PORT`` then).
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import DistRendezvousError
 
-__all__ = ["LaunchInfo", "detect", "derived_port", "read_int", "DERIVED_PORT_RANGE"]
+__all__ = ["LaunchInfo", "detect", "derived_port", "read_int", "MpiLauncher", "DERIVED_PORT_RANGE"]
 
 #: Ports chosen by :func:`derived_port`: [start, stop).
 DERIVED_PORT_RANGE = (61000, 65000)
@@ -68,6 +69,48 @@ def read_int(env: Mapping[str, str], name: str, source: str, low: int = 0) -> in
     if value < low:
         raise DistRendezvousError(f"{name}={value} (set by {source}) is below {low}", variable=name)
     return value
+
+
+@dataclass(frozen=True)
+class MpiLauncher:
+    """An MPI launcher, told by the variables it sets (an ``env_*`` module's ``present``/``info``).
+
+    The master is ``127.0.0.1`` when every rank runs on this host, else unknown;
+    the port derives from the first job id variable set, or on one host from the
+    parent process (the launcher's local daemon, shared by all ranks).
+    """
+
+    name: str
+    rank_var: str
+    size_var: str
+    local_rank_var: str
+    local_size_var: str
+    job_vars: tuple[str, ...]
+    port_scheme: str
+    hint: str
+
+    def present(self, env: Mapping[str, str]) -> bool:
+        """This launcher started this process."""
+        return self.rank_var in env and self.size_var in env
+
+    def info(self, env: Mapping[str, str]) -> LaunchInfo:
+        """Rank, sizes, and the master when it can be known."""
+        size = read_int(env, self.size_var, self.name, low=1)
+        local_size = read_int(env, self.local_size_var, self.name, low=1)
+        one_host = size is not None and local_size == size
+        job = next((env[v] for v in self.job_vars if env.get(v)), None)
+        if job is None and one_host:
+            job = f"ppid{os.getppid()}"
+        return LaunchInfo(
+            source=self.name,
+            rank=read_int(env, self.rank_var, self.name),
+            world_size=size,
+            local_rank=read_int(env, self.local_rank_var, self.name),
+            local_world_size=local_size,
+            master_addr="127.0.0.1" if one_host else None,
+            master_port=derived_port(f"{self.port_scheme}:{job}") if job else None,
+            hint=self.hint,
+        )
 
 
 def _modules():

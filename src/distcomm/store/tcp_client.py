@@ -41,6 +41,7 @@ from ..errors import (
     DistTypeError,
 )
 from ..fdlimit import ensure_fds
+from ..sockets import recv_exact
 from . import auth
 from . import tcp_protocol as p
 from .base import INTERNAL_PREFIX, Store, timeout_error
@@ -488,13 +489,7 @@ def _join(keys: list[str]) -> bytes:
 
 def _recv(sock: socket.socket, n: int) -> bytes:
     """Exactly ``n`` bytes of a handshake (the socket's timeout bounds each read)."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError("the server closed the connection during the handshake")
-        buf += chunk
-    return bytes(buf)
+    return recv_exact(sock, n, "the server closed the connection during the handshake")
 
 
 def _bind_host(host: str) -> str:

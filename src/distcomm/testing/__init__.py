@@ -3,13 +3,14 @@
 * :func:`run_ranks` runs a function as the ranks of a job, one real process
   each, and brings back their results or the first rank's failure.
 * :func:`snapshot` / :func:`check_no_leaks` check that threads, processes,
-  sockets, pipes and shared memory a test started are gone when it ends.
+  sockets, pipes and shared memory a test started are gone when it ends;
+  :func:`pid_alive` tells whether one process still runs.
 * :mod:`distcomm.testing.store_conformance` holds the behaviour every
   :class:`~distcomm.store.base.Store` must show, written once (import it
   explicitly).
 """
 
-from .leaks import Snapshot, check_no_leaks, find_leaks, snapshot
+from .leaks import Snapshot, check_no_leaks, find_leaks, pid_alive, snapshot
 from .ranks import RankFailedError, free_port, run_ranks, start_forkserver
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "check_no_leaks",
     "find_leaks",
     "free_port",
+    "pid_alive",
     "run_ranks",
     "snapshot",
     "start_forkserver",

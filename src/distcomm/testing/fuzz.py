@@ -41,7 +41,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -201,6 +202,48 @@ def _rss_kib() -> int:
     return 0
 
 
+@contextmanager
+def _measured(report: FuzzReport) -> Iterator[None]:
+    """Time a run and count what the targets log; once they are closed, look for leaks."""
+    fds0, threads0, rss0 = _fds(), threading.active_count(), _rss_kib()
+    t0 = time.monotonic()
+    with _Capture() as logs:
+        yield
+    report.seconds = time.monotonic() - t0
+    _finish_report(report, logs, fds0, threads0, rss0)
+
+
+class _Legit(threading.Thread):
+    """Legitimate traffic at the target throughout a run, checked as it goes."""
+
+    def __init__(self, name: str, seed: int) -> None:
+        super().__init__(name=name, daemon=True)
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.ops = 0
+        self.max_latency = 0.0
+
+    def _timed(self, seconds: float, what: str) -> None:
+        """Count one operation that took ``seconds``; too slow is a failure."""
+        self.max_latency = max(self.max_latency, seconds)
+        if seconds > LATENCY_LIMIT:
+            self.failures.append(f"a legitimate {what} took {seconds:.2f} s")
+        self.ops += 1
+
+    def halt(self) -> None:
+        self.stop.set()
+        self.join(LATENCY_LIMIT + 10)
+
+    def halt_into(self, report: FuzzReport) -> None:
+        """Stop, then add what it did and found to ``report``."""
+        self.halt()
+        report.legit_ops += self.ops
+        report.legit_max_latency = max(report.legit_max_latency, self.max_latency)
+        for f in self.failures[:10]:
+            report.fail(f)
+
+
 # -- sockets -----------------------------------------------------------------------------------
 def _open(port: int, rng: random.Random) -> socket.socket:
     """A connection to 127.0.0.1:port from a random loopback source address."""
@@ -229,6 +272,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise _CaseError(f"the target closed a legitimate handshake after {len(buf)} of {n} bytes")
         buf += chunk
     return bytes(buf)
+
+
+def _connect(report: FuzzReport, kind: str, port: int, rng: random.Random, who: str) -> socket.socket | None:
+    """A connection for one case; None (a failure reported) if the ``who`` cannot be reached."""
+    try:
+        return _open(port, rng)
+    except OSError as e:
+        report.fail(f"{kind}: cannot connect to the {who}: {e}")
+        return None
 
 
 def _send(sock: socket.socket, chunks: list[bytes]) -> None:
@@ -264,6 +316,15 @@ def _finish(sock: socket.socket) -> float | None:
                 return time.monotonic() - t0
     finally:
         sock.close()
+
+
+def _closed_in_time(sock: socket.socket, report: FuzzReport, failure: str) -> None:
+    """End a case's connection; ``failure`` is reported if the target does not close it in time."""
+    waited = _finish(sock)
+    if waited is None:
+        report.fail(failure)
+    else:
+        report.max_close_wait = max(report.max_close_wait, waited)
 
 
 class _Silent:
@@ -359,17 +420,12 @@ def _chunked(rng: random.Random, data: bytes) -> list[bytes]:
 
 
 # -- store -------------------------------------------------------------------------------------
-class _StoreChecker(threading.Thread):
+class _StoreChecker(_Legit):
     """A legitimate client using the store throughout, checking every answer."""
 
     def __init__(self, port: int, token: str | None, seed: int) -> None:
-        super().__init__(name="distcomm-fuzz-store-checker", daemon=True)
+        super().__init__("distcomm-fuzz-store-checker", seed)
         self.store = TCPStore("127.0.0.1", port, timeout=10, auth_token=token or "")
-        self.rng = random.Random(seed)
-        self.stop = threading.Event()
-        self.failures: list[str] = []
-        self.ops = 0
-        self.max_latency = 0.0
 
     def run(self) -> None:
         rng, store = self.rng, self.store
@@ -402,11 +458,7 @@ class _StoreChecker(threading.Thread):
                         store.wait([rng.choice(list(mine))], 1.0)
                 except Exception as e:  # noqa: BLE001 - every failure is reported
                     self.failures.append(f"legitimate store operation failed: {type(e).__name__}: {e}")
-                dt = time.perf_counter() - t0
-                self.max_latency = max(self.max_latency, dt)
-                if dt > LATENCY_LIMIT:
-                    self.failures.append(f"a legitimate store operation took {dt:.2f} s")
-                self.ops += 1
+                self._timed(time.perf_counter() - t0, "store operation")
                 if len(self.failures) > 20:
                     return
                 self.stop.wait(0.001)
@@ -494,19 +546,12 @@ class StoreTarget:
 
     def stop_checker(self, report: FuzzReport) -> None:
         c, self.checker = self.checker, None
-        if c is None:
-            return
-        c.stop.set()
-        c.join(LATENCY_LIMIT + 10)
-        report.legit_ops += c.ops
-        report.legit_max_latency = max(report.legit_max_latency, c.max_latency)
-        for f in c.failures[:10]:
-            report.fail(f)
+        if c is not None:
+            c.halt_into(report)
 
     def close(self) -> None:
         if self.checker is not None:
-            self.checker.stop.set()
-            self.checker.join(LATENCY_LIMIT + 10)
+            self.checker.halt()
             self.checker = None
         if self.client is not None:
             self.client.close()
@@ -630,10 +675,8 @@ def _run_store_case(target: StoreTarget, rng: random.Random, report: FuzzReport,
     kind, after_handshake, data, may_idle = _store_case(rng, target)
     report.cases += 1
     report.kinds[kind] += 1
-    try:
-        sock = _open(target.port, rng)
-    except OSError as e:
-        report.fail(f"{kind}: cannot connect to the server: {e}")
+    sock = _connect(report, kind, target.port, rng, "server")
+    if sock is None:
         return
     try:
         chunks = _chunked(rng, data)
@@ -650,12 +693,8 @@ def _run_store_case(target: StoreTarget, rng: random.Random, report: FuzzReport,
         report.fail(f"{kind}: {e}")
     finally:
         if sock is not None:
-            waited = _finish(sock)
-            if waited is None:
-                report.fail(f"{kind}: the server did not close the connection {CLOSE_LIMIT:g} s "
-                            f"after its input ended (input {data[:40]!r})")
-            else:
-                report.max_close_wait = max(report.max_close_wait, waited)
+            _closed_in_time(sock, report, f"{kind}: the server did not close the connection "
+                            f"{CLOSE_LIMIT:g} s after its input ended (input {data[:40]!r})")
 
 
 def fuzz_store(count: int, seed: int = 0, auth_token: str | None = "fuzz-token",
@@ -663,9 +702,7 @@ def fuzz_store(count: int, seed: int = 0, auth_token: str | None = "fuzz-token",
     """Throw ``count`` malformed inputs at a store server; see the module docstring."""
     report = FuzzReport("store", auth_token is not None, seed)
     rng = random.Random(seed)
-    fds0, threads0, rss0 = _fds(), threading.active_count(), _rss_kib()
-    t0 = time.monotonic()
-    with _Capture() as logs:
+    with _measured(report):
         target = StoreTarget(auth_token, seed)
         silent = _Silent(target.handshake_timeout + SILENT_MARGIN, report)
         try:
@@ -684,8 +721,6 @@ def fuzz_store(count: int, seed: int = 0, auth_token: str | None = "fuzz-token",
         finally:
             target.close()
         report.refused = target.server.stats["dropped"]
-    report.seconds = time.monotonic() - t0
-    _finish_report(report, logs, fds0, threads0, rss0)
     return report
 
 
@@ -706,19 +741,14 @@ def _finish_report(report: FuzzReport, logs: _LogCount, fds0: int, threads0: int
 
 
 # -- transport ---------------------------------------------------------------------------------
-class _Exchanger(threading.Thread):
+class _Exchanger(_Legit):
     """Legitimate traffic between the target and its real peer, checked message by message."""
 
     SIZES = (0, 1, 100, 4096, 65536, EAGER_BYTES + 1)
 
     def __init__(self, target_channel, peer_channel, seed: int) -> None:
-        super().__init__(name="distcomm-fuzz-exchanger", daemon=True)
+        super().__init__("distcomm-fuzz-exchanger", seed)
         self.a, self.b = target_channel, peer_channel
-        self.rng = random.Random(seed)
-        self.stop = threading.Event()
-        self.failures: list[str] = []
-        self.ops = 0
-        self.max_latency = 0.0
         self.tag = 1
 
     def round(self) -> None:
@@ -734,13 +764,9 @@ class _Exchanger(threading.Thread):
                 self.a.isend(1, tag, memoryview(out_a)), self.b.isend(0, tag, memoryview(out_b))]
         for r in reqs:
             r.wait(deadline)
-        dt = time.perf_counter() - t0
-        self.max_latency = max(self.max_latency, dt)
-        if dt > LATENCY_LIMIT:
-            self.failures.append(f"a legitimate {size}-byte exchange took {dt:.2f} s")
+        self._timed(time.perf_counter() - t0, f"{size}-byte exchange")
         if not (np.array_equal(in_b, out_a) and np.array_equal(in_a, out_b)):
             self.failures.append(f"a legitimate {size}-byte message arrived changed")
-        self.ops += 1
 
     def run(self) -> None:
         while not self.stop.is_set() and len(self.failures) < 20:
@@ -884,12 +910,7 @@ class TransportTarget:
             report.fail("the target's progress thread is gone")
         ex, self.exchanger = self.exchanger, None
         if ex is not None:
-            ex.stop.set()
-            ex.join(LATENCY_LIMIT + 10)
-            report.legit_ops += ex.ops
-            report.legit_max_latency = max(report.legit_max_latency, ex.max_latency)
-            for f in ex.failures[:10]:
-                report.fail(f)
+            ex.halt_into(report)
             try:
                 ex.round()  # one more, after the fuzzing
             except Exception as e:  # noqa: BLE001
@@ -904,8 +925,7 @@ class TransportTarget:
 
     def _stop(self) -> None:
         if self.exchanger is not None:
-            self.exchanger.stop.set()
-            self.exchanger.join(LATENCY_LIMIT + 10)
+            self.exchanger.halt()
             self.exchanger = None
         if self.target is not None:
             self.refused += self.target._refusals.total
@@ -1026,10 +1046,8 @@ def _run_transport_case(target: TransportTarget, rng: random.Random, report: Fuz
         return
     report.cases += 1
     report.kinds[kind.split("/")[0]] += 1
-    try:
-        sock = _open(target.port, rng)
-    except OSError as e:
-        report.fail(f"{kind}: cannot connect to the target: {e}")
+    sock = _connect(report, kind, target.port, rng, "target")
+    if sock is None:
         return
     try:
         if rank is not None:
@@ -1050,12 +1068,8 @@ def _run_transport_case(target: TransportTarget, rng: random.Random, report: Fuz
             report.fail(f"{kind}: {e}")
     finally:
         if sock is not None:
-            waited = _finish(sock)
-            if waited is None:
-                report.fail(f"{kind}: the target did not close the connection {CLOSE_LIMIT:g} s "
-                            "after its input ended")
-            else:
-                report.max_close_wait = max(report.max_close_wait, waited)
+            _closed_in_time(sock, report, f"{kind}: the target did not close the connection "
+                            f"{CLOSE_LIMIT:g} s after its input ended")
 
 
 def fuzz_transport(count: int, seed: int = 0, auth_token: str | None = "fuzz-token", slots: int = 64,
@@ -1063,9 +1077,7 @@ def fuzz_transport(count: int, seed: int = 0, auth_token: str | None = "fuzz-tok
     """Throw ``count`` malformed inputs at a TCP transport endpoint; see the module docstring."""
     report = FuzzReport("transport", auth_token is not None, seed)
     rng = random.Random(seed)
-    fds0, threads0, rss0 = _fds(), threading.active_count(), _rss_kib()
-    t0 = time.monotonic()
-    with _Capture() as logs:
+    with _measured(report):
         target = TransportTarget(auth_token, seed, slots)
         silent = _Silent(target.hello_timeout + SILENT_MARGIN, report)
         try:
@@ -1080,9 +1092,7 @@ def fuzz_transport(count: int, seed: int = 0, auth_token: str | None = "fuzz-tok
             target.check(report)
         finally:
             target.close()
-    report.seconds = time.monotonic() - t0
-    report.refused = target.refused
-    _finish_report(report, logs, fds0, threads0, rss0)
+        report.refused = target.refused
     return report
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["Snapshot", "snapshot", "find_leaks", "check_no_leaks", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["Snapshot", "snapshot", "find_leaks", "check_no_leaks", "pid_alive", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 #: Shared-memory entries distcomm creates start with this.
@@ -75,6 +75,12 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
         return None
     fields = text[text.rfind(")") + 2 :].split()  # the command name may hold spaces
     return fields[0], int(fields[1]), int(fields[19])
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (one that exited but is not reaped yet counts as gone)."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
 
 
 def _cmdline(pid: int) -> str:

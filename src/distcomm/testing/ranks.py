@@ -50,8 +50,10 @@ from ..errors import DistError, DistInputError, DistTimeoutError, DistTypeError
 
 __all__ = ["run_ranks", "RankFailedError", "free_port", "start_forkserver"]
 
-#: Modules the fork server imports once, so each rank starts with them loaded.
-FORKSERVER_PRELOAD = ("numpy", "distcomm", "distcomm.testing.ranks")
+#: Modules the fork server imports once, so each rank starts with them loaded (``import
+#: distcomm`` alone is lazy: the API and the built-in backends are named here).
+FORKSERVER_PRELOAD = ("numpy", "distcomm", "distcomm.functional", "distcomm.backends.auto",
+                      "distcomm.testing.ranks")
 #: After the first rank fails, how long to keep listening for other ranks' reports.
 FAILURE_GRACE = 0.2
 #: Between SIGTERM and SIGKILL for ranks that must be stopped.

@@ -569,37 +569,43 @@ def _setup_keep(store: Store) -> tuple[dict[str, bytes], int]:
     return keep, store.num_keys()
 
 
+_Calls = list[tuple[Callable[..., Any], tuple[Any, ...]]]
+
+
+def _all_refused(cls: type[BaseException], builtin: type[BaseException], calls: _Calls) -> None:
+    """Every ``(call, args)`` raises ``cls``, which is also the builtin ``builtin``."""
+    for call, args in calls:
+        e = _raises(cls, call, *args)
+        assert isinstance(e, builtin)
+
+
+def _one_key_calls(store: Store, key: Any) -> _Calls:
+    """The calls that take a single ``key``."""
+    return [
+        (store.set, (key, b"v")),
+        (store.get, (key,)),
+        (store.add, (key, 1)),
+        (store.compare_set, (key, b"", b"v")),
+        (store.append, (key, b"v")),
+        (store.delete_key, (key,)),
+    ]
+
+
 def check_bad_keys(store: Store) -> None:
     """Non-str keys are DistTypeError; empty, NUL, too long keys are DistInputError."""
     keep, n = _setup_keep(store)
     too_long = "k" * (MAX_KEY_BYTES + 1)
     too_long_utf8 = "é" * (MAX_KEY_BYTES // 2 + 1)  # few characters, too many bytes
     for key in (123, None, b"bytes", 1.5, ["list"]):
-        for call, args in (
-            (store.set, (key, b"v")),
-            (store.get, (key,)),
-            (store.add, (key, 1)),
-            (store.compare_set, (key, b"", b"v")),
-            (store.append, (key, b"v")),
-            (store.delete_key, (key,)),
-        ):
-            e = _raises(DistTypeError, call, *args)
-            assert isinstance(e, TypeError)
+        _all_refused(DistTypeError, TypeError, _one_key_calls(store, key))
     for key in ("", "a\0b", "\0", too_long, too_long_utf8):
-        for call, args in (
-            (store.set, (key, b"v")),
-            (store.get, (key,)),
-            (store.add, (key, 1)),
-            (store.compare_set, (key, b"", b"v")),
-            (store.append, (key, b"v")),
-            (store.delete_key, (key,)),
+        _all_refused(DistInputError, ValueError, [
+            *_one_key_calls(store, key),
             (store.wait, ([key],)),
             (store.check, ([key],)),
             (store.multi_get, (["keep", key],)),
             (store.multi_set, (["fresh", key], [b"1", b"2"])),
-        ):
-            e = _raises(DistInputError, call, *args)
-            assert isinstance(e, ValueError)
+        ])
     assert not store.check(["fresh"]), "multi_set with a bad key set the good one"
     _still_works(store, keep, n)
 
@@ -608,16 +614,14 @@ def check_bad_values(store: Store) -> None:
     """Values that are not bytes or str are DistTypeError, and store nothing."""
     keep, n = _setup_keep(store)
     for value in (5, None, 1.5, ["a"], {"a": 1}, object()):
-        for call, args in (
+        _all_refused(DistTypeError, TypeError, [
             (store.set, ("keep", value)),
             (store.set, ("new", value)),
             (store.append, ("keep", value)),
             (store.compare_set, ("keep", value, b"x")),
             (store.compare_set, ("keep", b"data", value)),
             (store.multi_set, (["new", "keep"], [b"1", value])),
-        ):
-            e = _raises(DistTypeError, call, *args)
-            assert isinstance(e, TypeError)
+        ])
     assert not store.check(["new"]), "a refused call created a key"
     _still_works(store, keep, n)
 

@@ -23,15 +23,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import Any
 
 from ..deadline import Deadline
+from ..errors import DistInputError, DistTypeError
 
-__all__ = ["Channel", "Request", "collective_tag", "p2p_tag", "wait_all", "MAX_P2P_TAG"]
+__all__ = [
+    "Channel", "Request", "collective_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
+    "EAGER_STEP", "is_eager",
+]
 
 _COLLECTIVE = 1 << 62
 _SEQ_SHIFT = 24
 MAX_STEP = (1 << _SEQ_SHIFT) - 1
 MAX_P2P_TAG = (1 << 62) - 1
+#: Step bit of a collective message the receiver posts in time (the algorithm
+#: knows): a transport may send it at once, whatever its size, without a
+#: ready-to-receive handshake.  Plain steps stay below it.
+EAGER_STEP = 1 << (_SEQ_SHIFT - 1)
+_EAGER_MASK = _COLLECTIVE | EAGER_STEP
+
+
+def is_eager(tag: int) -> bool:
+    """Whether ``tag`` is a collective message marked :data:`EAGER_STEP`."""
+    return tag & _EAGER_MASK == _EAGER_MASK
 
 
 def collective_tag(seq: int, step: int) -> int:
@@ -46,6 +61,31 @@ def p2p_tag(tag: int) -> int:
     if not 0 <= tag <= MAX_P2P_TAG:
         raise ValueError(f"tag {tag} out of range [0, {MAX_P2P_TAG}]")
     return tag
+
+
+def tag_text(tag: int) -> str:
+    """A tag as error messages show it (a collective's sequence number and step spelled out)."""
+    if tag & _COLLECTIVE:
+        return f"tag {tag:#x} (collective seq {(tag & ~_COLLECTIVE) >> _SEQ_SHIFT}, step {tag & MAX_STEP})"
+    return f"tag {tag}"
+
+
+def byte_view(data: Any, writable: bool) -> memoryview:
+    """``data`` as a flat byte view (no copy); a receive's buffer must be ``writable``."""
+    if type(data) is memoryview and data.format == "B" and data.ndim == 1:
+        view = data
+    else:
+        try:
+            view = memoryview(data)
+        except TypeError:
+            raise DistTypeError(f"expected a bytes-like buffer, got {type(data).__name__}") from None
+        if view.format != "B" or view.ndim != 1:
+            if not view.c_contiguous:
+                raise DistInputError("buffer must be C-contiguous")
+            view = view.cast("B")
+    if writable and view.readonly:
+        raise DistInputError("receive buffer is read-only")
+    return view
 
 
 class Request(ABC):

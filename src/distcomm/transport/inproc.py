@@ -33,33 +33,13 @@ from typing import Any
 import numpy as np
 
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
-from .base import _COLLECTIVE, _SEQ_SHIFT, MAX_STEP, Channel, Request
+from ..errors import DistBackendError, DistInputError, DistTimeoutError
+from .base import Channel, Request, byte_view, tag_text
 
 __all__ = ["InProcHub", "InProcChannel", "run_threads"]
 
 #: Copies at least this long go through NumPy (which releases the GIL).
 _NUMPY_COPY_BYTES = 1 << 16
-
-
-def _tag_text(tag: int) -> str:
-    if tag & _COLLECTIVE:
-        return f"tag {tag:#x} (collective seq {(tag & ~_COLLECTIVE) >> _SEQ_SHIFT}, step {tag & MAX_STEP})"
-    return f"tag {tag}"
-
-
-def _byte_view(data: Any, writable: bool) -> memoryview:
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise DistTypeError(f"expected a bytes-like buffer, got {type(data).__name__}") from None
-    if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            raise DistInputError("buffer must be C-contiguous")
-        view = view.cast("B")
-    if writable and view.readonly:
-        raise DistInputError("receive buffer is read-only")
-    return view
 
 
 class _Request(Request):
@@ -93,7 +73,7 @@ class _Request(Request):
                 what = f"receiving from rank {self.peer}"
             raise DistTimeoutError(
                 f"rank {self.rank}: timed out after {deadline.seconds:g} s {what} "
-                f"({_tag_text(self.tag)})",
+                f"({tag_text(self.tag)})",
                 rank=self.rank,
                 peer=self.peer,
                 timeout=deadline.seconds,
@@ -105,7 +85,7 @@ class _Request(Request):
     def __repr__(self) -> str:
         kind = "send to" if self.send else "recv from"
         state = "done" if self.done() else "pending"
-        return f"<inproc {kind} {self.peer} {_tag_text(self.tag)} {state}>"
+        return f"<inproc {kind} {self.peer} {tag_text(self.tag)} {state}>"
 
 
 def _take(queues: dict[int, list[_Request]], tag: int, source: int | None) -> _Request | None:
@@ -129,7 +109,7 @@ def _deliver(send: _Request, recv: _Request) -> None:
     if len(src) != len(dst):
         text = (
             f"message size mismatch: rank {send.rank} sent {len(src)} bytes, "
-            f"rank {recv.rank} expected {len(dst)} bytes ({_tag_text(send.tag)})"
+            f"rank {recv.rank} expected {len(dst)} bytes ({tag_text(send.tag)})"
         )
         recv._finish(DistBackendError(text, rank=recv.rank, peer=send.rank))
         send._finish(DistBackendError(text, rank=send.rank, peer=recv.rank))
@@ -165,7 +145,7 @@ class InProcChannel(Channel):
 
     def isend(self, dst: int, tag: int, data: memoryview) -> Request:
         self._check_peer(dst, "destination")
-        req = _Request(self.rank, dst, tag, _byte_view(data, writable=False), send=True)
+        req = _Request(self.rank, dst, tag, byte_view(data, writable=False), send=True)
         hub = self._hub
         with hub._lock:
             error = hub._refusal(self, req)
@@ -184,7 +164,7 @@ class InProcChannel(Channel):
 
     def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
         self._check_peer(src, "source")
-        req = _Request(self.rank, src, tag, _byte_view(out, writable=True), send=False)
+        req = _Request(self.rank, src, tag, byte_view(out, writable=True), send=False)
         hub = self._hub
         with hub._lock:
             send = None if self._own_error else _take(self._arrived, tag, src)
@@ -272,7 +252,7 @@ class InProcHub:
         return DistBackendError(
             f"rank {req.rank}: peer rank {gone} {self._gone[gone]} "
             f"(pending {verb} rank {req.peer if req.peer is not None else 'any'}, "
-            f"{_tag_text(req.tag)})",
+            f"{tag_text(req.tag)})",
             rank=req.rank,
             peer=gone,
         )

@@ -4,13 +4,16 @@ A message is identified by ``(group, tag)`` and its source process.  A
 receive is posted for a source (or any source of its group) and a tag.
 Three kinds of frames reach the matcher:
 
-* DATA: the payload itself.  Small payloads (at most :data:`EAGER_BYTES`)
-  may arrive before their receive is posted; they are kept (bounded by the
-  transport) until it is.  Large payloads are only sent once the receiver
-  granted them, so they always land straight in the posted buffer.
+* DATA: the payload itself.  Small payloads (at most :data:`EAGER_BYTES`),
+  and collective messages the algorithm marked eager
+  (:data:`~.base.EAGER_STEP`: it posts their receives as it starts), are
+  sent at once and may arrive before their receive is posted; they are kept
+  (bounded by the transport) until it is.  Other large payloads are only
+  sent once the receiver granted them, so they land straight in the posted
+  buffer.
 * RTS ("ready to send"): a sender has a large message but no grant yet.
 * RTR ("ready to receive"): the grant, sent by the receiver when a matching
-  receive is posted (at once, for a receive from a known source).
+  receive is posted (at once, for a large receive from a known source).
 
 Receives match in posting order; messages from one source in sending order.
 The :class:`Matcher` is plain data: the transport holds one lock around it.
@@ -25,9 +28,9 @@ from collections.abc import Callable
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
-from .base import Request
+from .base import Request, is_eager
 
-__all__ = ["EAGER_BYTES", "Matcher", "RecvRequest", "SendRequest"]
+__all__ = ["EAGER_BYTES", "SENT", "BufferPool", "Matcher", "RecvRequest", "SendRequest"]
 
 #: Largest message sent without waiting for the receiver's grant
 #: (``DISTCOMM_EAGER_BYTES`` overrides it, for experiments; same on every rank).
@@ -75,57 +78,103 @@ class _Flag:
         return self._set
 
 
+#: Orders a request's completion against a waiter going to sleep on it.
+_settle = threading.Lock()
+
+
 class _Done(Request):
-    """Completion shared by sends and receives: an event, an error, a description."""
+    """Completion shared by sends and receives: a flag, an error, a description.
+
+    A waiter that must block sleeps on a lock made for it on demand: most
+    requests complete in the thread that waits for them (it reads the
+    socket itself) and never need one.
+    """
 
     #: Optional ``helper(request, deadline)`` run by :meth:`wait` before blocking:
     #: the transport uses it to read the peer's socket in the waiting thread.
     helper: Callable[[_Done, Deadline], None] | None = None
-
-    def __init__(self, describe: Callable[[], str]) -> None:
-        self._event = _Flag()
-        self.error: BaseException | None = None
-        self._describe = describe
+    error: BaseException | None = None
+    _set = False
+    _sleeper: threading.Lock | None = None
 
     def complete(self, error: BaseException | None = None) -> None:
-        if self._event.claim():
+        """Finish the request (the first completion wins) and wake its sleepers."""
+        with _settle:
+            if self._set:
+                return
             self.error = error
-            self._event.release()
+            self._set = True
+            sleeper = self._sleeper
+        if sleeper is not None:
+            sleeper.release()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._set
+
+    def sleep(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for completion; whether it completed."""
+        with _settle:
+            if self._set:
+                return True
+            sleeper = self._sleeper
+            if sleeper is None:
+                sleeper = self._sleeper = threading.Lock()
+                sleeper.acquire()
+        if sleeper.acquire(timeout=max(0.0, timeout)):
+            sleeper.release()  # let other sleepers through too
+            return True
+        return self._set
 
     def wait(self, deadline: Deadline) -> None:
-        if self.helper is not None and not self._event.is_set():
-            self.helper(self, deadline)
-        if not self._event.wait(deadline.remaining()):
-            raise DistTimeoutError(
-                f"timed out after {deadline.seconds:g} s {self._describe()}",
-                timeout=deadline.seconds, peer=getattr(self, "peer", None),
-            )
+        if not self._set:
+            if self.helper is not None:
+                self.helper(self, deadline)
+            if not self._set and not self.sleep(deadline.remaining()):
+                raise DistTimeoutError(
+                    f"timed out after {deadline.seconds:g} s {self.describe()}",
+                    timeout=deadline.seconds, peer=getattr(self, "peer", None),
+                )
         if self.error is not None:
             raise self.error
 
+    def describe(self) -> str:
+        return "waiting for a message"
+
+
+class Sent(Request):
+    """A send the kernel took whole when it was posted: already complete."""
+
+    error = None
+
+    def wait(self, deadline: Deadline) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+#: The one instance every such send returns.
+SENT = Sent()
+
 
 class SendRequest(_Done):
-    __slots__ = ("peer", "group", "tag", "view", "granted")
+    __slots__ = ("peer", "group", "tag", "view", "members")
 
-    def __init__(self, peer: int, group: int, tag: int, view: memoryview, describe) -> None:
-        super().__init__(describe)
+    def __init__(self, peer: int, group: int, tag: int, view: memoryview, members) -> None:
         self.peer = peer
         self.group = group
         self.tag = tag
         self.view = view
-        self.granted = False
+        self.members = members  # process rank -> group rank
+
+    def describe(self) -> str:
+        return f"sending to rank {self.members[self.peer]}"
 
 
 class RecvRequest(_Done):
-    __slots__ = ("peer", "group", "tag", "view", "bound", "rts_seen", "rtr_sent", "members")
+    __slots__ = ("peer", "group", "tag", "view", "bound", "rts_seen", "rtr_sent", "members", "source")
 
-    def __init__(
-        self, peer: int | None, group: int, tag: int, view: memoryview, members, describe
-    ) -> None:
-        super().__init__(describe)
+    def __init__(self, peer: int | None, group: int, tag: int, view: memoryview, members) -> None:
         self.peer = peer  # a process rank, or None for any member of the group
         self.group = group
         self.tag = tag
@@ -140,6 +189,10 @@ class RecvRequest(_Done):
         if self.bound is not None:
             return self.bound == peer
         return peer in self.members
+
+    def describe(self) -> str:
+        who = f"rank {self.members[self.peer]}" if self.peer is not None else "any rank"
+        return f"waiting for {who} to send {len(self.view)} bytes (tag {self.tag:#x})"
 
 
 class Matcher:
@@ -179,12 +232,17 @@ class Matcher:
                     req.rts_seen = True
                     grant = peer
                     break
-        if grant is None and req.peer is not None and len(req.view) > EAGER_BYTES:
+        if grant is None and req.peer is not None and len(req.view) > EAGER_BYTES \
+                and not is_eager(req.tag):
             grant = req.peer  # grant ahead: the sender need not ask
         if grant is not None:
             req.rtr_sent = True
         self.posts.setdefault(key, []).append(req)
         return None, grant
+
+    def has_post(self, peer: int, group: int, tag: int) -> bool:
+        """Whether a receive that a DATA frame from ``peer`` would fill is posted."""
+        return any(req.accepts(peer) for req in self.posts.get((group, tag), ()))
 
     def has_early(self, req: RecvRequest) -> bool:
         """Whether a message ``req`` would take is already here."""
@@ -250,6 +308,45 @@ class Matcher:
                 self.posts[key] = keep
             else:
                 del self.posts[key]
+
+
+class BufferPool:
+    """Byte buffers by size, reused for early messages: at most ``limit`` bytes are
+    kept, and none under ``smallest`` bytes (those are cheap to make)."""
+
+    def __init__(self, limit: int, smallest: int = 4096) -> None:
+        self._limit = limit
+        self._smallest = smallest
+        self._held = 0
+        self._free: dict[int, list[bytearray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bytearray:
+        if nbytes >= self._smallest:
+            with self._lock:
+                free = self._free.get(nbytes)
+                if free:
+                    self._held -= nbytes
+                    buf = free.pop()
+                    if not free:
+                        del self._free[nbytes]
+                    return buf
+        return bytearray(nbytes)
+
+    def put(self, buf: bytearray | bytes) -> None:
+        """Keep ``buf`` for a later :meth:`take` (only writable ``bytearray`` buffers)."""
+        n = len(buf)
+        if n < self._smallest or n > self._limit or type(buf) is not bytearray:
+            return
+        with self._lock:
+            while self._held + n > self._limit and self._free:  # make room: drop other sizes
+                size, bufs = next(iter(self._free.items()))
+                bufs.pop()
+                self._held -= size
+                if not bufs:
+                    del self._free[size]
+            self._free.setdefault(n, []).append(buf)
+            self._held += n
 
 
 def lost_peer_error(rank: int, what: str, group_rank: int | None = None) -> DistBackendError:

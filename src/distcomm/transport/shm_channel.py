@@ -68,11 +68,11 @@ from typing import Any
 import numpy as np
 
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
+from ..errors import DistBackendError, DistInputError, DistTimeoutError
 from ..store.base import Store
-from .base import _COLLECTIVE, _SEQ_SHIFT, MAX_STEP, Channel, Request
+from .base import Channel, Request, byte_view, tag_text
 from .shm_segment import Segment, open_shared
-from .shm_sync import NAP, _cpus, _PeerWatch, futex_wait, futex_wake
+from .shm_sync import NAP, _PeerWatch, futex_wait, futex_wake, wait_budget
 
 __all__ = ["ShmChannel", "ring_bytes_for", "layout_bytes"]
 
@@ -135,29 +135,6 @@ def layout_bytes(size: int, ring_bytes: int) -> int:
     return _RANK_OFF + size * _RANK_BLOCK + size * (size - 1) * (_PAIR_META + ring_bytes)
 
 
-def _tag_text(tag: int) -> str:
-    if tag & _COLLECTIVE:
-        return f"tag {tag:#x} (collective seq {(tag & ~_COLLECTIVE) >> _SEQ_SHIFT}, step {tag & MAX_STEP})"
-    return f"tag {tag}"
-
-
-def _byte_view(data: Any, writable: bool) -> memoryview:
-    if type(data) is memoryview and data.format == "B" and data.ndim == 1:
-        view = data
-    else:
-        try:
-            view = memoryview(data)
-        except TypeError:
-            raise DistTypeError(f"expected a bytes-like buffer, got {type(data).__name__}") from None
-        if view.format != "B" or view.ndim != 1:
-            if not view.c_contiguous:
-                raise DistInputError("buffer must be C-contiguous")
-            view = view.cast("B")
-    if writable and view.readonly:
-        raise DistInputError("receive buffer is read-only")
-    return view
-
-
 # -- requests -----------------------------------------------------------------------------
 
 
@@ -180,57 +157,53 @@ class _Finished(Request):
 _SENT = _Finished()  # shared by every send that went into the ring at once
 
 
-class _Send(Request):
-    __slots__ = ("_ch", "peer", "tag", "view", "n", "ring_len", "pos", "hdr", "seq", "_done", "error")
+class _Pending(Request):
+    """A send or receive that the channel finishes (``_done``, ``error``) as it makes progress."""
 
-    def __init__(self, ch: ShmChannel, peer: int, tag: int, view: memoryview | None, n: int) -> None:
+    __slots__ = ("_ch", "peer", "tag", "view", "n", "_done", "error")
+
+    def __init__(self, ch: ShmChannel, peer: int | None, tag: int, view: memoryview | None, n: int) -> None:
         self._ch = ch
         self.peer = peer
         self.tag = tag
-        self.view = view  # None once rejected: the rest is skipped, not copied
+        self.view = view  # a send's is None once rejected: the rest is skipped, not copied
         self.n = n
+        self._done = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        if not self._done:
+            self._ch._poke()
+        return self._done
+
+    def wait(self, deadline: Deadline) -> None:
+        if not self._done:
+            self._ch._drive(self, deadline)
+        if self.error is not None:
+            raise self.error
+
+
+class _Send(_Pending):
+    __slots__ = ("ring_len", "pos", "hdr", "seq")
+
+    peer: int
+
+    def __init__(self, ch: ShmChannel, peer: int, tag: int, view: memoryview, n: int) -> None:
+        super().__init__(ch, peer, tag, view, n)
         self.ring_len = (n + 15) & ~15
         self.pos = 0  # payload bytes (padding included) in the ring
         self.hdr = False
         self.seq = 0  # number of this message in its ring (1, 2, ...)
-        self._done = False
-        self.error: BaseException | None = None
-
-    def done(self) -> bool:
-        if not self._done:
-            self._ch._poke()
-        return self._done
-
-    def wait(self, deadline: Deadline) -> None:
-        if not self._done:
-            self._ch._drive(self, deadline)
-        if self.error is not None:
-            raise self.error
 
 
-class _Recv(Request):
-    __slots__ = ("_ch", "peer", "tag", "view", "n", "_done", "error", "source")
+class _Recv(_Pending):
+    __slots__ = ("source",)
+
+    view: memoryview
 
     def __init__(self, ch: ShmChannel, peer: int | None, tag: int, view: memoryview) -> None:
-        self._ch = ch
-        self.peer = peer
-        self.tag = tag
-        self.view = view
-        self.n = len(view)
-        self._done = False
-        self.error: BaseException | None = None
+        super().__init__(ch, peer, tag, view, len(view))
         self.source: int | None = None
-
-    def done(self) -> bool:
-        if not self._done:
-            self._ch._poke()
-        return self._done
-
-    def wait(self, deadline: Deadline) -> None:
-        if not self._done:
-            self._ch._drive(self, deadline)
-        if self.error is not None:
-            raise self.error
 
 
 class _Incoming:
@@ -366,9 +339,7 @@ class ShmChannel(Channel):
         self._next_check = 0.0  # when some thread next looks for aborts and departed peers
         # waiting
         self._sleepers = 0
-        crowded = (local_ranks or size) > _cpus()
-        self._spin_s = 0.0 if crowded else 0.0003
-        self._yield_s = 0.0002 if crowded else 0.002
+        self._spin_s, self._yield_s = wait_budget(local_ranks or size)
 
     def __repr__(self) -> str:
         return f"<ShmChannel rank {self.rank} of {self.size}, rings of {self._R} bytes>"
@@ -396,7 +367,7 @@ class ShmChannel(Channel):
             self._check_rank(dst, "destination")
         if tag.__class__ is not int or not 0 <= tag < _TAG_LIMIT:
             self._check_tag(tag)
-        view = _byte_view(data, False)
+        view = byte_view(data, False)
         n = len(view)
         with self._lock:
             if not self._closed:
@@ -447,7 +418,7 @@ class ShmChannel(Channel):
             self._check_rank(src, "source")
         if tag.__class__ is not int or not 0 <= tag < _TAG_LIMIT:
             self._check_tag(tag)
-        req = _Recv(self, src, tag, _byte_view(out, True))
+        req = _Recv(self, src, tag, byte_view(out, True))
         with self._lock:
             if self._error is not None:
                 self._complete(req, self._error)
@@ -639,7 +610,7 @@ class ShmChannel(Channel):
         s.view = None
         self._complete(s, DistBackendError(
             f"this rank sent {s.n} bytes but {self._describe(p)} expected {expected} "
-            f"({_tag_text(s.tag)}): the ranks passed arrays of different sizes",
+            f"({tag_text(s.tag)}): the ranks passed arrays of different sizes",
             rank=self.rank, peer=p,
         ))
 
@@ -762,7 +733,7 @@ class ShmChannel(Channel):
     def _mismatch(self, src: int, n: int, expected: int, tag: int) -> DistBackendError:
         return DistBackendError(
             f"{self._describe(src)} sent {n} bytes but {expected} were expected "
-            f"({_tag_text(tag)}): the ranks passed arrays of different sizes",
+            f"({tag_text(tag)}): the ranks passed arrays of different sizes",
             rank=self.rank, peer=src,
         )
 
@@ -864,7 +835,7 @@ class ShmChannel(Channel):
                     self._q[self._me + _R_ASLEEP] = 0  # type: ignore[index]
 
     def _timeout_error(self, req: _Send | _Recv, deadline: Deadline) -> DistTimeoutError:
-        tag = _tag_text(req.tag)
+        tag = tag_text(req.tag)
         if isinstance(req, _Send):
             what = f"sending {req.n} bytes to {self._describe(req.peer)} ({tag})"
             op = "send"

@@ -3,7 +3,7 @@
 Every rank of a shared-memory group owns one 64-bit counter that only it
 writes and that only grows.  ``post(v)`` publishes ``v``; a peer waits until
 the counter reaches a target.  A wait spins briefly (a peer on another core
-answers within microseconds), then yields the CPU, then sleeps in the kernel
+answers within microseconds; :data:`SPIN_S`), then yields the CPU, then sleeps in the kernel
 on a futex over the counter's low 32 bits; a post wakes the counter's futex
 only when some rank says it is asleep.  With more ranks than cores the
 spinning is cut short so a descheduled peer gets the CPU.
@@ -33,7 +33,7 @@ import numpy as np
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
 
-__all__ = ["Control", "control_bytes", "futex_wait", "futex_wake", "HAVE_FUTEX"]
+__all__ = ["Control", "control_bytes", "futex_wait", "futex_wake", "HAVE_FUTEX", "wait_budget"]
 
 LINE = 64
 #: Longest single sleep (s): bounds a lost wake-up and the time to notice a dead peer.
@@ -78,6 +78,29 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+#: Spinning before a wait yields (s), unless there are more ranks on this machine than
+#: CPUs: a peer on another core answers within microseconds, and on a busy machine a
+#: rank that keeps its core is running when the peer's answer comes (one that yields
+#: lets other processes in and waits for its turn).  ``DISTCOMM_SHM_SPIN_US`` sets it.
+SPIN_S = 0.001
+#: Yielding before a wait sleeps in the kernel (s).
+YIELD_S = 0.002
+
+
+def wait_budget(local_ranks: int) -> tuple[float, float]:
+    """(spin, yield) seconds of a wait before it sleeps, for ``local_ranks`` ranks on
+    this machine: with more ranks than CPUs, no spinning and a short yield, so that a
+    descheduled peer gets the CPU."""
+    if local_ranks > _cpus():
+        return 0.0, 0.0002
+    raw = os.environ.get("DISTCOMM_SHM_SPIN_US", "").strip()
+    try:
+        spin = max(0.0, float(raw) * 1e-6) if raw else SPIN_S
+    except ValueError:
+        spin = SPIN_S
+    return spin, YIELD_S
 
 
 class _PeerWatch:
@@ -125,7 +148,9 @@ class Control:
         raw = np.frombuffer(mem, np.uint8, control_bytes(size))
         self._header = raw[:LINE].view(np.int64)
         asleep_end = LINE + ((size * 4 + LINE - 1) // LINE) * LINE
-        self._asleep = raw[LINE : LINE + size * 4].view(np.int32)
+        self._asleep = raw[LINE : LINE + size]  # one byte a rank, read 8 at a time by posters
+        self._asleep_words = raw[LINE : LINE + (size + 7) // 8 * 8].view(np.int64)
+        self._word_index = list(range(len(self._asleep_words)))
         lines = raw[asleep_end:].view(np.int64).reshape(size, LINE // 8)
         self.counters = lines[:, 0]
         base = raw.ctypes.data + asleep_end
@@ -135,10 +160,8 @@ class Control:
         self._watch: _PeerWatch | None = None
         self._cancelled: BaseException | None = None
         self._seen_all = 0  # every counter was >= this when last looked at
-        crowded = (local_ranks or size) > _cpus()
         #: Seconds of spinning, then of yielding, before a wait sleeps.
-        self.spin_s = 0.0 if crowded else 0.0003
-        self.yield_s = 0.0002 if crowded else 0.002
+        self.spin_s, self.yield_s = wait_budget(local_ranks or size)
 
     # -- setup ------------------------------------------------------------------------------
     def watch(self, pids: dict[int, int]) -> None:
@@ -154,8 +177,11 @@ class Control:
     def post(self, value: int) -> None:
         """Publish this rank's counter ``value`` and wake sleepers."""
         self.counters[self.rank] = value
-        if self._asleep.any():
-            futex_wake(self._addr[self.rank])
+        words = self._asleep_words
+        for i in self._word_index:
+            if words[i]:
+                futex_wake(self._addr[self.rank])
+                return
 
     def abort(self, rank: int, culprit: int | None = None) -> None:
         """Tell every peer the group is aborted by ``rank`` (because of ``culprit``,

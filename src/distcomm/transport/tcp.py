@@ -7,9 +7,20 @@ groups share the pair's connection; frames carry their group and tag (see
 :mod:`.tcp_wire`), and :mod:`.matching` pairs them with posted receives.
 
 Threads: callers post sends and receives and write small frames straight to
-the socket when its queue is empty; the progress thread accepts connections,
-reads every socket (large payloads go straight into the posted buffer with
-``recv_into``), and finishes writes the kernel could not take at once.  A
+the socket when its queue is empty (a send the kernel takes whole returns the
+completed :data:`~.matching.SENT`).  A thread that waits for a request
+*pumps*: it reads the peer's socket itself (payloads go straight into the
+posted buffer with ``recv_into``), writes what is queued for that peer, and
+also writes other peers' queued output and reads the grants of sends waiting
+for one, so one thread moves a whole collective without hand-offs (and, when
+ranks do not outnumber cores, polls for ``DISTCOMM_TCP_SPIN_US``, default 50
+us, before it sleeps; not again for a while after a spin that found nothing).
+The progress thread accepts connections and reads what arrives while nobody
+waits; a socket a waiting
+thread was reading is left to that thread while it keeps coming back, and
+handed back after :data:`REARM_DELAY` without a reader (or at once when a
+send to that peer waits for its grant), so each message wakes one thread,
+not two.  A writer thread per peer finishes writes nobody waits to do.  A
 connection that ends fails every request that depended on that peer with a
 :class:`~distcomm.errors.DistBackendError` naming it.
 
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import random
 import select
 import socket
@@ -35,13 +47,22 @@ from collections import deque
 from collections.abc import Mapping
 
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistError, DistNetworkError
+from ..errors import DistBackendError, DistError, DistInputError, DistNetworkError
 from ..sockets import recv_exact
 from ..store import auth
 from ..store.base import Store
 from . import tcp_wire as w
-from .base import Channel, Request
-from .matching import EAGER_BYTES, Matcher, RecvRequest, SendRequest, lost_peer_error
+from .base import Channel, Request, is_eager
+from .matching import (
+    EAGER_BYTES,
+    SENT,
+    BufferPool,
+    Matcher,
+    RecvRequest,
+    SendRequest,
+    _Done,
+    lost_peer_error,
+)
 
 __all__ = ["TcpTransport", "TcpChannel"]
 
@@ -49,20 +70,47 @@ log = logging.getLogger("distcomm.transport")
 
 _STAGING = 256 * 1024  # bytes read per recv when parsing frames
 _COPY_BYTES = 4096  # payloads up to this size are copied behind their header
-_SOCK_BUF = int(__import__("os").environ.get("DISTCOMM_SOCK_BUF", "0"))
+_BIG_BODY = 64 * 1024  # after a payload this large, the next header is read with ...
+_SMALL_READ = 4096  # ... a read this small (the next payload then skips the staging copy)
+_SOCK_BUF = int(os.environ.get("DISTCOMM_SOCK_BUF", "0"))
 EARLY_BUDGET = 64 * 1024 * 1024  # early (unmatched) bytes kept before reading pauses
+#: Buffers of early messages kept for reuse (no fresh, zeroed memory for each).
+EARLY_POOL_BYTES = 16 * 1024 * 1024
 #: Worlds up to this size learn every peer's address at initialisation.
 ADDRESS_PREFETCH_MAX = 1024
 #: A published address that refuses connections this long belongs to a process that left.
 REFUSED_GIVE_UP = 2.0
 _HDR = w.HEADER.size
 _EPOLLIN = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+_POLL_RW = select.POLLIN | select.POLLOUT
+_POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 #: A rank waiting this long (s) for a lower rank to connect checks that it is alive.
 _PROBE_AFTER = 1.0
 #: A waiting thread reading a socket itself polls this long at a time (s).
 _HELP_POLL = 0.05
 #: ... and when another thread reads it, checks back this often (s).
 _HELP_RETRY = 0.002
+#: A socket a waiting thread was reading is handed back to the progress thread
+#: only after this long without a reader (s): a caller that waits on the same
+#: peer again soon reads it alone, and each message wakes one thread, not two.
+#: (At once if a send to that peer waits for its grant.)
+REARM_DELAY = 0.002
+#: ... and while waiting threads still read every parked socket, checked this often.
+PARKED_RECHECK = 0.01
+#: The progress thread leaves a large payload nobody asked for yet in its socket
+#: this long at most (s), checking every DEFER_CHECK whether its receive was posted.
+DEFER_MAX = 0.02
+DEFER_CHECK = 0.003
+#: Seconds a waiting thread polls without sleeping when ranks do not outnumber cores ...
+SPIN_DEFAULT = 50e-6
+#: ... except for this many waits after a spin that found nothing.
+SPIN_BACKOFF = 16
+#: Seconds a writer thread leaves a thread that waits to write itself (see _pump).
+_WRITER_GRACE = 0.001
+#: How often a writer thread that left its work to a waiting thread checks it is still there.
+_WRITER_RECHECK = 0.02
+#: A waiting thread also serves other peers (see _pump) in worlds up to this size.
+_PUMP_PEERS_MAX = 16
 #: How long a writer thread waits for a socket to become writable before rechecking state.
 _WRITER_POLL_MS = 500
 #: Most seconds close() waits for queued frames to leave (peers that must still connect).
@@ -109,6 +157,9 @@ class _Peer:
         self.wlock = threading.Lock()
         self.wcond = threading.Condition(self.wlock)
         self.rlock = threading.Lock()  # whoever reads the socket holds it
+        self.released = 0.0  # when a waiting thread last stopped reading it (monotonic)
+        self.helped = False  # a waiting thread pumps the socket (reads and writes it)
+        self.armed = False  # the progress thread's one-shot event is armed for it
         self.poller: select.poll | None = None
         self.stalled = False  # the kernel refused bytes: the writer thread takes over
         self.writer: threading.Thread | None = None
@@ -122,6 +173,8 @@ class _Peer:
         self.body_pos = 0
         self.body_done = None  # callable run when the payload is complete
         self.skip = 0  # payload bytes still to read and discard
+        self.after_body = False  # a large payload just ended (read the next header alone)
+        self.deferred_at = 0.0  # since when the progress thread leaves an unasked-for payload
         self.paused = False
         self.left = False  # it said BYE: it connected, then destroyed its group
 
@@ -154,8 +207,11 @@ class TcpTransport:
         self._auth = _job_auth(store, auth_token)
         self._refusals = auth.RefusalLog(log, f"rank {rank}'s transport")
         self._timeout = timeout
+        self._spin = spin_seconds(size)
+        self._spin_skip = 0  # waits left that sleep without spinning (see _pump)
         self._mu = threading.Lock()
         self._matcher = Matcher()
+        self._early_pool = BufferPool(EARLY_POOL_BYTES, _COPY_BYTES)
         self._peers: dict[int, _Peer] = {}
         self._fds: dict[int, object] = {}
         self._closed = False
@@ -215,24 +271,49 @@ class TcpTransport:
 
     def post_send(
         self, peer: int, group: int, tag: int, view: memoryview, members: Mapping[int, int]
-    ) -> SendRequest:
-        req = SendRequest(peer, group, tag, view, lambda: f"sending to rank {members[peer]}")
-        req.helper = self._help
+    ) -> Request:
         n = len(view)
+        p = self._peers.get(peer)
+        if n <= _COPY_BYTES and p is not None and not p.out and not p.grants and p.state == "up" \
+                and group not in self._aborted:
+            # the common small case: one frame, written now, no request object
+            frame = w.HEADER.pack(w.DATA, group, tag, n) + view
+            sent = 0
+            with p.wlock:
+                sock = p.sock
+                if sock is not None and not p.out:
+                    try:
+                        sent = sock.send(frame)
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
+                    except OSError as e:
+                        sent, error = -1, e
+                    if sent == len(frame):
+                        return SENT
+                    if sent >= 0:
+                        req = SendRequest(peer, group, tag, view, members)
+                        req.helper = self._help
+                        item = _Out(frame, None, req)
+                        item.sent = sent
+                        p.out.append(item)
+                        self._hand_over(p)
+                        return req
+            if sent < 0:
+                self._lost_async(p, error)
+        req = SendRequest(peer, group, tag, view, members)
+        req.helper = self._help
         with self._mu:
             p, connect = self._peer(peer)
             if p.state == "dead" or group in self._aborted:
                 req.complete(p.error if p.state == "dead" else self._aborted[group])
                 return req
             key = (group, tag)
-            granted = p.grants.pop(key, 0)
+            granted = p.grants.pop(key, 0) if p.grants else 0
             if granted > 1:  # (spent grants leave: tags are not reused, the dict must not grow)
                 p.grants[key] = granted - 1
             if n <= _COPY_BYTES:  # tiny: one buffer, one write
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n) + view, None, req))
-            elif n <= EAGER_BYTES:  # done once the kernel has it
-                self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n), view, req))
-            elif granted:
+            elif n <= EAGER_BYTES or granted or is_eager(tag):  # done once the kernel has it
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n), view, req))
             else:
                 p.waiting.setdefault(key, deque()).append(req)
@@ -245,13 +326,8 @@ class TcpTransport:
     def post_recv(
         self, peer: int | None, group: int, tag: int, view: memoryview, members: Mapping[int, int]
     ) -> RecvRequest:
-        def describe() -> str:
-            who = f"rank {members[peer]}" if peer is not None else "any rank"
-            return f"waiting for {who} to send {len(view)} bytes (tag {tag:#x})"
-
-        req = RecvRequest(peer, group, tag, view, members, describe)
-        if peer is not None:
-            req.helper = self._help
+        req = RecvRequest(peer, group, tag, view, members)
+        req.helper = self._help if peer is not None else self._help_any
         to_connect: list[_Peer] = []
         with self._mu:
             if group in self._aborted:  # a member gave up on the group: nothing more will come
@@ -278,6 +354,7 @@ class TcpTransport:
             resume = data is not None and self._matcher.early_bytes < EARLY_BUDGET
         if data is not None:
             _fill(req, data)
+            self._early_pool.put(data)
             if resume:
                 self._resume_reading()
         for p in to_connect:
@@ -479,6 +556,7 @@ class TcpTransport:
             p.poller.register(sock.fileno(), select.POLLIN)
             self._fds[sock.fileno()] = p
             p.state = "up"
+            p.armed = True
             self._ep.register(sock.fileno(), _EPOLLIN)
         self._flush(p)
 
@@ -523,31 +601,46 @@ class TcpTransport:
                 pass
             except OSError as e:
                 return e
-            if out and not p.stalled:
-                p.stalled = True
-                if p.writer is None:
-                    p.writer = threading.Thread(
-                        target=self._writer, args=(p,), daemon=True,
-                        name=f"distcomm-tcp-writer:{self.rank}->{p.rank}",
-                    )
-                    p.writer.start()
-                p.wcond.notify()
-            elif not out:
+            if out:
+                self._hand_over(p)
+            else:
                 p.stalled = False
         return None
+
+    def _hand_over(self, p: _Peer) -> None:
+        """The kernel refused bytes queued for ``p`` (write lock held): unless a
+        waiting thread is pumping ``p``'s socket (it writes too), the peer's
+        writer thread finishes them."""
+        if p.helped or p.stalled:
+            return
+        p.stalled = True
+        if p.writer is None:
+            p.writer = threading.Thread(
+                target=self._writer, args=(p,), daemon=True,
+                name=f"distcomm-tcp-writer:{self.rank}->{p.rank}",
+            )
+            p.writer.start()
+        p.wcond.notify()
 
     def _writer(self, p: _Peer) -> None:
         """Finish writes the kernel could not take at once (one thread per busy peer).
 
-        Sending here while the progress thread receives lets both directions
-        of a connection move at once (the GIL is released inside the syscalls).
+        Sending here while another thread receives lets both directions of a
+        connection move at once (the GIL is released inside the syscalls).
         """
         poller = select.poll()
         registered = None
         while True:
             with p.wcond:
-                while p.state == "up" and not self._closed and not p.stalled:
-                    p.wcond.wait()
+                while p.state == "up" and not self._closed and (not p.stalled or p.helped):
+                    # a waiting thread pumping p writes for us; check back now and then,
+                    # as it leaves without waking us (it usually comes back at once)
+                    p.wcond.wait(_WRITER_RECHECK if p.stalled else None)
+                if p.state == "up" and not self._closed:
+                    # the thread that queued it usually waits (and writes) at once
+                    p.wcond.wait(_WRITER_GRACE)
+                    if p.helped or not p.stalled:
+                        continue
                 if p.state != "up" or self._closed or p.sock is None:
                     return
                 fd = p.sock.fileno()
@@ -560,17 +653,29 @@ class TcpTransport:
     # -- the progress thread ---------------------------------------------------------
     def _run(self) -> None:
         hello: dict[int, _Hello] = {}
+        parked: set[_Peer] = set()  # sockets left unwatched while a waiting thread read them
+        deferred: set[_Peer] = set()  # sockets left unread: a payload waits for its receive
         lfd, wfd = self._listener.fileno(), self._wake_r.fileno()
         try:
             while not self._closed:
                 if hello:
                     self._expire_hellos(hello)
-                for fd, _ev in self._ep.poll(min(1.0, self._hello_timeout) if hello else -1):
+                wait = -1.0
+                if hello:
+                    wait = min(1.0, self._hello_timeout)
+                if parked:  # (while waiting threads still read them all, check back less often)
+                    delay = REARM_DELAY if any(not q.rlock.locked() for q in parked) else PARKED_RECHECK
+                    wait = delay if wait < 0 else min(wait, delay)
+                if deferred:
+                    wait = DEFER_CHECK if wait < 0 else min(wait, DEFER_CHECK)
+                for fd, _ev in self._ep.poll(wait):
                     if fd == lfd:
                         self._accept(hello)
                     elif fd == wfd:
                         try:
-                            self._wake_r.recv(64)
+                            if b"u" in self._wake_r.recv(64):
+                                self._unpark(parked, 0.0)
+                                self._undefer(deferred, parked, everything=True)
                         except OSError:
                             pass
                     elif fd in hello:
@@ -579,13 +684,22 @@ class TcpTransport:
                         p = self._fds.get(fd)
                         if p is None:
                             continue
+                        p.armed = False
                         if p.rlock.acquire(blocking=False):
                             try:
-                                self._read(p)
+                                self._read(p, defer=True)
                             finally:
                                 p.rlock.release()
-                            self._rearm(p)
-                        # else a waiting thread reads it and re-arms it when done
+                            if p.deferred_at and p.state == "up":
+                                deferred.add(p)  # (unwatched until its receive is posted)
+                            else:
+                                self._rearm(p)
+                        else:  # a waiting thread reads it: hand it back once it stops
+                            parked.add(p)
+                if parked:
+                    self._unpark(parked, REARM_DELAY)
+                if deferred:
+                    self._undefer(deferred, parked)
         except Exception:  # pragma: no cover - a bug: fail loudly, not silently
             log.exception("distcomm TCP progress thread crashed")
             with self._mu:
@@ -719,19 +833,27 @@ class TcpTransport:
         h.buf, h.need = bytearray(), auth.MAC_BYTES
         return None
 
-    def _read(self, p: _Peer) -> None:
+    def _read(self, p: _Peer, until: _Done | None = None, defer: bool = False) -> None:
+        """Read and handle what ``p`` sent until the socket is empty, or, for a
+        waiting thread, until ``until`` is done (see :meth:`_parse` for ``defer``)."""
         sock = p.sock
         if sock is None or p.paused:
             return
         while True:
             try:
                 if p.body is not None:
+                    want = len(p.body) - p.body_pos
                     n = sock.recv_into(p.body[p.body_pos :])
                     if n == 0:
                         raise ConnectionResetError("connection closed by the peer")
                     p.body_pos += n
-                    if p.body_pos == len(p.body):
+                    if n == want:
+                        p.after_body = len(p.body) >= _BIG_BODY
                         self._body_complete(p)
+                        if until is not None and until._set:
+                            return
+                    else:  # the kernel had no more: wait for the next poll
+                        return
                     continue
                 if p.skip:  # a payload nobody wants: read it into the staging buffer, drop it
                     n = sock.recv_into(p.rview, min(p.skip, len(p.rbuf)))
@@ -739,16 +861,27 @@ class TcpTransport:
                         raise ConnectionResetError("connection closed by the peer")
                     p.skip -= n
                     continue
+                if p.rhave - p.rpos >= _HDR:  # frames staged before: handle them first
+                    if self._parse(p, until, defer):
+                        return  # left for later (see _parse)
+                    if p.body is not None or p.skip:
+                        continue
+                    if p.paused or p.state != "up" or (until is not None and until._set):
+                        return
                 if p.rpos and len(p.rbuf) - p.rhave < _HDR * 64:  # make room at the end
                     rest = p.rhave - p.rpos
                     p.rbuf[:rest] = p.rbuf[p.rpos : p.rhave]
                     p.rpos, p.rhave = 0, rest
-                n = sock.recv_into(p.rview[p.rhave :])
+                ask = len(p.rbuf) - p.rhave
+                if p.after_body:  # likely the header of another large payload: read little,
+                    p.after_body = False  # so that payload goes straight to its buffer
+                    ask = min(ask, _SMALL_READ)
+                n = sock.recv_into(p.rview[p.rhave :], ask)
                 if n == 0:
                     raise ConnectionResetError("connection closed by the peer")
                 p.rhave += n
-                self._parse(p)
-                if p.paused or p.state != "up":
+                if n < ask:  # all there was: handle it, then wait for the next poll
+                    self._parse(p, until, defer)
                     return
             except (BlockingIOError, InterruptedError):
                 return
@@ -766,14 +899,36 @@ class TcpTransport:
                 ))
                 return
 
-    def _parse(self, p: _Peer) -> None:
+    def _parse(self, p: _Peer, until: _Done | None = None, defer: bool = False) -> bool:
+        """Handle the complete frames staged for ``p``.
+
+        A large payload nobody has asked for yet may be left where it is (True
+        is returned): by a waiting thread once ``until`` is done, by the
+        progress thread (``defer``) for up to DEFER_MAX.  Its receive is
+        likely about to be posted, and the payload can then go straight into
+        it instead of through an early buffer.  The socket still holds the
+        rest of it, so the next reader resumes here.
+        """
         buf = p.rbuf
         while p.body is None and not p.skip and p.rhave - p.rpos >= _HDR:
             kind, group, tag, nbytes = w.HEADER.unpack_from(buf, p.rpos)
-            p.rpos += _HDR
             if kind == w.DATA:
+                if nbytes > p.rhave - p.rpos - _HDR and nbytes > _COPY_BYTES \
+                        and (defer or (until is not None and until._set)) \
+                        and not self._matcher.has_post(p.rank, group, tag):
+                    if not defer:
+                        return True
+                    now = time.monotonic()
+                    if not p.deferred_at:
+                        p.deferred_at = now
+                    if now - p.deferred_at < DEFER_MAX:
+                        return True
+                p.deferred_at = 0.0
+                p.rpos += _HDR
                 self._start_data(p, group, tag, nbytes)
-            elif kind == w.RTS:
+                continue
+            p.rpos += _HDR
+            if kind == w.RTS:
                 with self._mu:
                     grant = self._matcher.on_rts(p.rank, group, tag, nbytes)
                     if grant:
@@ -791,14 +946,21 @@ class TcpTransport:
                         self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, len(req.view)), req.view, req))
                     else:
                         p.grants[key] = p.grants.get(key, 0) + 1
-                self._flush(p)
+                if threading.current_thread() is self._thread:
+                    # the progress thread only reads: a thread waiting on it, or the
+                    # writer thread, moves the payload (no two threads write at once)
+                    with p.wlock:
+                        if p.out and p.state == "up":
+                            self._hand_over(p)
+                else:
+                    self._flush(p)
             elif kind == w.BYE:
                 with self._mu:
                     p.left = True
                     self._lost(p, DistBackendError(
                         f"rank {p.rank} destroyed its process group", peer=p.rank
                     ), quiet=True)
-                return
+                return False
             elif kind == w.ABORT:
                 if nbytes > 65536:
                     raise DistNetworkError(f"rank {p.rank} sent an oversized ABORT frame")
@@ -807,12 +969,27 @@ class TcpTransport:
                 raise DistNetworkError(f"rank {p.rank} sent an unknown frame kind {kind}")
         if p.rpos == p.rhave:
             p.rpos = p.rhave = 0
+        return False
 
     def _start_data(self, p: _Peer, group: int, tag: int, nbytes: int) -> None:
+        pos = p.rpos
+        staged = p.rhave - pos >= nbytes
         with self._mu:
             req = self._matcher.take_for_data(p.rank, group, tag)
+            if req is None and staged and nbytes <= _COPY_BYTES:  # small and early: keep a copy
+                self._matcher.keep_early(p.rank, group, tag, bytes(p.rview[pos : pos + nbytes]))
+                p.rpos = pos + nbytes
+                if self._matcher.early_bytes > EARLY_BUDGET:
+                    p.paused = True
+                return
         if req is not None and len(req.view) == nbytes:
-            self._start_body(p, req.view, lambda _data: req.complete(), req)
+            if staged:  # all staged (small messages): copy, done
+                if nbytes:
+                    req.view[:] = p.rview[pos : pos + nbytes]
+                    p.rpos = pos + nbytes
+                req.complete()
+            else:
+                self._start_body(p, req.view, _completes, req)
             return
         if req is not None:  # size mismatch: the payload is dropped
             req.complete(_size_mismatch(req, nbytes))
@@ -825,17 +1002,18 @@ class TcpTransport:
             )
             self._skip(p, nbytes)
             return
-        target = bytearray(nbytes)
+        target = self._early_pool.take(nbytes)
 
         def early(data: bytearray) -> None:
             with self._mu:
                 late = self._matcher.take_for_data(p.rank, group, tag)
                 if late is None:
-                    self._matcher.keep_early(p.rank, group, tag, bytes(data))
+                    self._matcher.keep_early(p.rank, group, tag, data)
                     if self._matcher.early_bytes > EARLY_BUDGET:
                         p.paused = True
             if late is not None:
                 _fill(late, data)
+                self._early_pool.put(data)
 
         self._start_body(p, target, early)
 
@@ -861,9 +1039,12 @@ class TcpTransport:
             self._body_complete(p)
 
     def _body_complete(self, p: _Peer) -> None:
-        done, target, _ = p.body_done
+        done, target, req = p.body_done
         p.body, p.body_done = None, None
-        done(target)
+        if done is _completes:
+            req.complete()
+        else:
+            done(target)
 
     def _on_abort(self, p: _Peer, group: int, lost: int, data) -> None:
         reason = bytes(data).decode("utf-8", "replace")
@@ -883,46 +1064,209 @@ class TcpTransport:
                 pass
             self._rearm(p)
 
+    def _unpark(self, parked: set[_Peer], idle: float) -> None:
+        """Watch again the parked sockets nobody has read for ``idle`` seconds."""
+        now = time.monotonic()
+        for p in list(parked):
+            if p.state != "up":
+                parked.discard(p)
+            elif (now - p.released >= idle or p.waiting) and p.rlock.acquire(blocking=False):
+                parked.discard(p)
+                self._rearm(p)  # (what came meanwhile fires the event at once)
+                p.rlock.release()
+
+    def _undefer(self, deferred: set[_Peer], parked: set[_Peer], everything: bool = False) -> None:
+        """Watch again the deferred sockets whose payload now has its receive, or
+        has waited DEFER_MAX (it then goes to an early buffer), or all of them."""
+        now = time.monotonic()
+        for p in list(deferred):
+            if p.state != "up" or not p.deferred_at:
+                deferred.discard(p)
+                self._rearm(p)
+            elif p.rlock.acquire(blocking=False):
+                try:
+                    due = everything or now - p.deferred_at >= DEFER_MAX or self._staged_posted(p)
+                finally:
+                    p.rlock.release()
+                if due:
+                    deferred.discard(p)
+                    self._rearm(p)
+            else:  # a waiting thread reads it now
+                deferred.discard(p)
+                parked.add(p)
+
+    def _staged_posted(self, p: _Peer) -> bool:
+        """Whether the DATA frame staged first for ``p`` has its receive posted (rlock held)."""
+        if p.rhave - p.rpos < _HDR:
+            return True
+        _kind, group, tag, _n = w.HEADER.unpack_from(p.rbuf, p.rpos)
+        return self._matcher.has_post(p.rank, group, tag)
+
+    def _watch_all(self) -> None:
+        """Ask the progress thread to watch every parked socket now (a wait for any source)."""
+        try:
+            self._wake_w.send(b"u")
+        except OSError:
+            pass
+
     def _rearm(self, p: _Peer) -> None:
         """Let the progress thread hear about ``p``'s socket again (one-shot epoll)."""
         sock = p.sock
         if sock is not None and p.state == "up" and not p.paused:
+            p.armed = True
             try:
                 self._ep.modify(sock.fileno(), _EPOLLIN)
             except (OSError, ValueError):
                 pass
 
-    def _help(self, req: Request, deadline: Deadline) -> None:
-        """Read the peer's socket in the waiting thread until ``req`` is done.
+    def _help(self, req: _Done, deadline: Deadline) -> None:
+        """Pump the peer's socket in the waiting thread until ``req`` is done.
 
         Saves the hand-off through the progress thread (two thread wake-ups
-        per message).  Only one thread reads a socket at a time; if another
-        holds it, or the peer is not connected yet, wait for the event instead.
+        per message): this thread reads what arrives and writes what is queued
+        for that peer (sending and receiving interleave, no writer thread).
+        Only one thread reads a socket at a time; if another holds it, or the
+        peer is not connected yet, wait for the request instead.
         """
         p = self._peers.get(req.peer)  # type: ignore[attr-defined]
         if p is None:
             return
         since = time.monotonic()
-        while not req.done() and not deadline.expired() and not self._closed:
+        while not req._set and not self._closed:
             if p.state != "up" or not p.rlock.acquire(blocking=False):
                 if p.state == "dead":
                     return
                 if p.state == "awaiting" and time.monotonic() - since > _PROBE_AFTER:
                     since = time.monotonic()
                     self._probe(p)
-                req._event.wait(min(_HELP_RETRY, deadline.remaining()))  # type: ignore[attr-defined]
+                left = deadline.remaining()
+                if left <= 0:
+                    return
+                req.sleep(min(_HELP_RETRY, left))
                 continue
             try:
-                poller = p.poller
-                while not req.done() and p.state == "up" and poller is not None:
+                p.helped = True  # (writers check it under the write lock; a stale read only wakes one)
+                self._pump(p, req, deadline)
+            finally:
+                self._release_writes(p)
+                p.released = time.monotonic()
+                p.rlock.release()
+                if p.waiting and not p.armed:  # its grant must not wait for the timer
+                    self._rearm(p)
+            if deadline.expired():
+                return
+
+    def _pump(self, p: _Peer, req: _Done, deadline: Deadline) -> None:
+        """Read and write ``p``'s socket until ``req`` is done (``p.rlock`` held).
+
+        Other peers with output queued, or with sends waiting for their grant,
+        that no other thread serves are served here too: this thread writes the
+        one and reads the other (no hand-offs between threads on the way)."""
+        poller, sock = p.poller, p.sock
+        if poller is None or sock is None:
+            return
+        fd = sock.fileno()
+        others = self._claim_others(p)
+        if others:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            for qfd, (q, reading) in others.items():
+                poller.register(qfd, _other_mask(q, reading))
+        mask = select.POLLIN
+        spin_end = 0.0
+        if self._spin:
+            if self._spin_skip:
+                self._spin_skip -= 1
+            else:
+                spin_end = time.perf_counter() + self._spin
+        try:
+            while not req._set and p.state == "up":
+                want = _POLL_RW if p.out else select.POLLIN
+                if want != mask:
+                    poller.modify(fd, want)
+                    mask = want
+                if spin_end:
+                    events = poller.poll(0)
+                    if not events and time.perf_counter() > spin_end:
+                        # nothing came: the peer is slow or shares our core; spinning
+                        # only takes CPU from it, so the next waits sleep at once
+                        spin_end = 0.0
+                        self._spin_skip = SPIN_BACKOFF
+                else:
                     left = deadline.remaining()
                     if left <= 0:
-                        break
-                    if poller.poll(min(left, _HELP_POLL) * 1000):
-                        self._read(p)
-            finally:
-                p.rlock.release()
-                self._rearm(p)
+                        return
+                    events = poller.poll(min(left, _HELP_POLL) * 1000)
+                for efd, ev in events:
+                    if efd == fd:
+                        if ev & select.POLLOUT:
+                            self._flush(p)
+                        if ev & _POLL_IN:
+                            self._read(p, req)
+                        continue
+                    claim = others.get(efd)
+                    if claim is None:
+                        continue
+                    q, reading = claim
+                    if ev & select.POLLOUT:
+                        self._flush(q)
+                    if reading and ev & _POLL_IN:
+                        self._read(q)
+                    if q.state != "up" or not (q.out or (reading and q.waiting)):
+                        poller.unregister(efd)
+                        del others[efd]
+                        self._release_other(q, reading)
+                    else:
+                        poller.modify(efd, _other_mask(q, reading))
+        finally:
+            for q, reading in others.values():
+                self._release_other(q, reading)
+            if mask != select.POLLIN and p.state == "up" and not others:
+                try:
+                    poller.modify(fd, select.POLLIN)
+                except (OSError, ValueError):
+                    pass
+
+    def _claim_others(self, p: _Peer) -> dict[int, tuple[_Peer, bool]]:
+        """Peers other than ``p`` this thread serves while it waits: ``fd -> (peer,
+        reading)``; output nobody else writes, and the grants of sends waiting for one."""
+        claimed: dict[int, tuple[_Peer, bool]] = {}
+        if len(self._peers) > _PUMP_PEERS_MAX:
+            return claimed
+        for q in list(self._peers.values()):
+            if q is p or q.state != "up" or not (q.out or q.waiting):
+                continue
+            reading = bool(q.waiting) and q.rlock.acquire(blocking=False)
+            with q.wlock:
+                sock = q.sock
+                if sock is None or q.helped or not (q.out or reading):
+                    if reading:
+                        q.rlock.release()
+                    continue
+                q.helped = True
+                claimed[sock.fileno()] = (q, reading)
+        return claimed
+
+    def _release_other(self, q: _Peer, reading: bool) -> None:
+        self._release_writes(q)
+        if reading:
+            q.released = time.monotonic()
+            q.rlock.release()
+            if q.waiting and not q.armed:  # its grant must not wait for the timer
+                self._rearm(q)
+
+    def _release_writes(self, q: _Peer) -> None:
+        """Stop pumping ``q``: what is still queued goes to its writer thread (which, if
+        already busy with it, notices within _WRITER_RECHECK)."""
+        q.helped = False
+        if q.out:  # (one queued after this check sees helped False and hands over itself)
+            with q.wlock:
+                if q.out and q.state == "up":
+                    self._hand_over(q)
+
+    def _help_any(self, req: Request, deadline: Deadline) -> None:
+        """A receive from any source is read by the progress thread: it must watch every socket."""
+        self._watch_all()
 
     def _probe(self, p: _Peer) -> None:
         """Is the lower rank we wait for still there?  Its listener answers if so.
@@ -1020,11 +1364,39 @@ class TcpChannel(Channel):
         self._t.connect_all(self._ranks)
 
 
+def _other_mask(q: _Peer, reading: bool) -> int:
+    return (select.POLLIN if reading else 0) | (select.POLLOUT if q.out else 0)
+
+
+def spin_seconds(world_size: int) -> float:
+    """How long a waiting thread polls its socket before it sleeps: ``DISTCOMM_TCP_SPIN_US``
+    microseconds, by default 50 when this machine has a core per rank of the job, else 0
+    (spinning ranks would take the cores the others need)."""
+    setting = os.environ.get("DISTCOMM_TCP_SPIN_US", "").strip()
+    if setting:
+        try:
+            return max(0.0, float(setting)) / 1e6
+        except ValueError:
+            raise DistInputError(
+                f"DISTCOMM_TCP_SPIN_US={setting!r} is not a number of microseconds",
+                variable="DISTCOMM_TCP_SPIN_US",
+            ) from None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return SPIN_DEFAULT if world_size <= cores else 0.0
+
+
 def _bytes(view: memoryview) -> memoryview:
     """``view`` as a flat view of unsigned bytes."""
     if view.format == "B" and view.ndim == 1:
         return view
     return view.cast("B")
+
+
+def _completes(req: RecvRequest, _data) -> None:
+    req.complete()
 
 
 def _fill(req: RecvRequest, data) -> None:

@@ -1,0 +1,238 @@
+"""``distcomm bench mpi``: backend ``mpi``'s all_reduce against raw mpi4py, in one MPI job.
+
+::
+
+    distcomm bench mpi                          # 2 ranks, 8 B .. 16 MiB
+    distcomm bench mpi -n 4 --sizes 8B,1MiB --repeat 11
+
+The main process starts ``mpirun --oversubscribe -n N python -m
+distcomm.bench.mpi_overhead OUT.json CONFIG``.  Every rank initialises
+``init_process_group("mpi")`` and duplicates ``MPI_COMM_WORLD`` for the raw
+calls, then, per size, alternates timed blocks of ``dist.all_reduce(a)``
+and ``comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM)`` (float32, the order
+swapped every round) so that both see the same load.  Each block runs
+enough calls to last about ``--block-seconds``; rank 0's clock times the
+block and each call in it (every all-reduce synchronises the ranks).
+Reported per size and library: the median over blocks of the median call
+(the cost of a call that was not interrupted: what the overhead target is
+judged on, since on a shared machine a block's mean also counts the times
+another process took a rank's CPU) and of the block's mean call; and for
+each, the median over rounds of the ratio of adjacent blocks (distcomm /
+mpi4py).  After timing, each size checks that distcomm's result is the sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ..backends.mpi import MODES
+from ._args import emit, positive
+from ._coll_mpi import find_mpirun, mpi_missing
+from ._coll_report import size_text, time_text
+from ._procs import _child_env, _die_with_parent
+
+DEFAULT_SIZES = (8, 4096, 256 << 10, 4 << 20, 16 << 20)
+#: Sizes the overhead target names, and the target (distcomm / mpi4py, same run).
+TARGET_SIZES = (8, 16 << 20)
+TARGET_RATIO = 1.2
+
+
+# -- rank side ---------------------------------------------------------------------------------
+
+
+def _calls_for(fn: Any, seconds: float, comm: Any) -> int:
+    """Calls of collective ``fn`` that take about ``seconds`` (every rank makes the same calls)."""
+    for _ in range(3):
+        fn()
+    k = 1
+    while True:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        per = (time.perf_counter() - t0) / k
+        if comm.bcast(per * k > seconds / 10 or k >= 4096, root=0):
+            break
+        k *= 2
+    return int(comm.bcast(max(3, min(50_000, round(seconds / max(per, 1e-9)))), root=0))
+
+
+def _summary(blocks: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """Per library the median over blocks of (mean, median) seconds per call; the ratios
+    distcomm / mpi4py of adjacent blocks, their median."""
+    out: dict[str, Any] = {"blocks": blocks}
+    for k, (i, label) in {"mean": (0, "mean"), "median": (1, "median")}.items():
+        out[k] = {lib: statistics.median(b[i] for b in v) for lib, v in blocks.items()}
+        out[f"ratio_{label}"] = statistics.median(
+            d[i] / r[i] for d, r in zip(blocks["distcomm"], blocks["mpi4py"], strict=True))
+    return out
+
+
+def _rank_main(out_path: str, config: dict[str, Any]) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    import distcomm as dist
+
+    dist.init_process_group("mpi")
+    comm = MPI.COMM_WORLD.Dup()  # the raw calls' own communicator
+    rank = comm.Get_rank()
+    results: list[dict[str, Any]] = []
+    try:
+        for size in config["sizes"]:
+            n = max(1, size // 4)
+            a = np.zeros(n, np.float32)  # zeros: the sums stay finite however many calls
+            b = np.zeros(n, np.float32)
+
+            def distcomm_call(a: np.ndarray = a) -> None:
+                dist.all_reduce(a)
+
+            def raw_call(b: np.ndarray = b) -> None:
+                comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM)
+
+            calls = max(_calls_for(distcomm_call, config["block_seconds"], comm),
+                        _calls_for(raw_call, config["block_seconds"], comm))
+            blocks: dict[str, list[tuple[float, float]]] = {"distcomm": [], "mpi4py": []}
+            clock = time.perf_counter
+            for rnd in range(config["repeat"]):
+                order = [("distcomm", distcomm_call), ("mpi4py", raw_call)]
+                if rnd % 2:
+                    order.reverse()
+                for name, fn in order:
+                    each = [0.0] * calls
+                    comm.Barrier()
+                    t0 = clock()
+                    for i in range(calls):
+                        t = clock()
+                        fn()
+                        each[i] = clock() - t
+                    blocks[name].append(((clock() - t0) / calls, statistics.median(each)))
+            a[:] = rank + 1
+            dist.all_reduce(a)
+            want = comm.Get_size() * (comm.Get_size() + 1) / 2
+            results.append({"bytes": n * 4, "calls_per_block": calls, "correct": bool(np.all(a == want)),
+                            "loadavg": list(os.getloadavg()), **_summary(blocks)})
+    finally:
+        comm.Free()
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"sizes": results, "mpi_library": MPI.Get_library_version().split("\n")[0].strip(),
+                       "thread_level": MPI.Query_thread()}, f)
+
+
+# -- main process --------------------------------------------------------------------------------
+
+
+def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seconds: float, mode: str,
+                     timeout: float) -> dict[str, Any]:
+    """Run the MPI job; return its results (raises RuntimeError with mpirun's output tail on failure)."""
+    mpirun = find_mpirun()
+    assert mpirun is not None
+    env = _child_env()
+    env["DISTCOMM_MPI_COLLECTIVES"] = mode
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    config = {"sizes": list(sizes), "repeat": repeat, "block_seconds": block_seconds}
+    load_start = list(os.getloadavg())
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="distcomm-bench-mpi-") as tmp:
+        out, log_path = os.path.join(tmp, "out.json"), os.path.join(tmp, "mpirun.log")
+        cmd = [mpirun, "--oversubscribe", "-n", str(nproc), sys.executable, "-m", __name__, out,
+               json.dumps(config)]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            try:
+                code: int | None = proc.wait(timeout)
+            except BaseException:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code = None
+        if code != 0 or not os.path.exists(out):
+            with open(log_path, errors="replace") as f:
+                tail = " | ".join(f.read().splitlines()[-8:])
+            what = f"timed out after {timeout:g} s" if code is None else f"exited with code {code}"
+            raise RuntimeError(f"mpirun -n {nproc} {what}; its output ends: {tail}")
+        with open(out) as f:
+            results = json.load(f)
+    results.update(nproc=nproc, mode=mode, repeat=repeat, elapsed_s=time.monotonic() - t0,
+                   loadavg_start=load_start, loadavg_end=list(os.getloadavg()))
+    return results
+
+
+def format_results(results: dict[str, Any]) -> str:
+    lines = [f"all_reduce (float32, SUM) on backend 'mpi' against raw mpi4py, {results['nproc']} ranks, "
+             f"DISTCOMM_MPI_COLLECTIVES={results['mode']}; {results['mpi_library']}",
+             f"{'':>10} {'median call':^29} {'mean call':^29}",
+             f"{'size':>10} {'distcomm':>10} {'mpi4py':>10} {'ratio':>7} {'distcomm':>10} {'mpi4py':>10} "
+             f"{'ratio':>7}  calls/block"]
+    for s in results["sizes"]:
+        med, mean = s["median"], s["mean"]
+        lines.append(f"{size_text(s['bytes']):>10} {time_text(med['distcomm']):>10} {time_text(med['mpi4py']):>10} "
+                     f"{s['ratio_median']:>7.2f} {time_text(mean['distcomm']):>10} {time_text(mean['mpi4py']):>10} "
+                     f"{s['ratio_mean']:>7.2f}  {s['calls_per_block']}" + ("" if s["correct"] else "  WRONG RESULT"))
+    lines.append(f"ratio: median over {results['repeat']} rounds of adjacent blocks, distcomm / mpi4py; "
+                 f"target <= {TARGET_RATIO} (median call) at " + " and ".join(size_text(b) for b in TARGET_SIZES))
+    checked = {s["bytes"]: s["ratio_median"] for s in results["sizes"] if s["bytes"] in TARGET_SIZES}
+    if checked:
+        lines.append("target: " + ", ".join(
+            f"{size_text(b)} {r:.2f} ({'met' if r <= TARGET_RATIO else 'missed'})" for b, r in checked.items()))
+
+    def load(v: list[float]) -> str:
+        return " ".join(f"{x:.2f}" for x in v)
+
+    lines.append(f"elapsed {results['elapsed_s']:.0f} s; load average {load(results['loadavg_start'])} at start, "
+                 f"{load(results['loadavg_end'])} at end")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``distcomm bench mpi``."""
+    from .collectives import parse_sizes
+
+    parser.add_argument("-n", "--nproc", type=positive(int), default=2, help="MPI ranks (default: 2)")
+    parser.add_argument("--sizes", type=parse_sizes, default=DEFAULT_SIZES, metavar="SIZES",
+                        help="bytes per rank: 8B,4KiB,... or LO..HI (default: 8B,4KiB,256KiB,4MiB,16MiB)")
+    parser.add_argument("--repeat", type=positive(int), default=11,
+                        help="interleaved rounds per size; medians are reported (default: 11)")
+    parser.add_argument("--block-seconds", type=positive(float), default=0.2,
+                        help="about how long each timed block runs (default: 0.2)")
+    parser.add_argument("--collectives", choices=MODES, default="auto",
+                        help="DISTCOMM_MPI_COLLECTIVES for distcomm's calls (default: auto)")
+    parser.add_argument("--timeout", type=positive(float), default=900.0,
+                        help="seconds the MPI job may take (default: 900)")
+    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``distcomm bench mpi``; exit 1 if the job failed or a result was wrong."""
+    prog = "distcomm bench mpi"
+    why = mpi_missing()
+    if why is not None:
+        print(f"{prog}: {why}", file=sys.stderr)
+        return 2
+    try:
+        results = run_mpi_overhead(args.nproc, tuple(args.sizes), args.repeat, args.block_seconds,
+                                   args.collectives, args.timeout)
+    except RuntimeError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    emit(results, format_results(results), args.json)
+    return 0 if all(s["correct"] for s in results["sizes"]) else 1
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    _rank_main(sys.argv[1], json.loads(sys.argv[2]))

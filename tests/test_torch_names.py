@@ -1,0 +1,81 @@
+"""Smaller torch.distributed names: coalesced collectives, availability queries,
+``get_node_local_rank``, ``is_torchelastic_launched``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from collective_cases import BACKENDS, init, run_world
+
+import distcomm as dist
+from distcomm.errors import DistInputError, DistTypeError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _coalesced_rank(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    init(rank, world_size, backend, port)
+    bad = []
+    total = sum(range(1, world_size + 1))
+    xs = [np.full(5, rank + 1.0), np.full(3, rank + 1, np.int64)]
+    if dist.all_reduce_coalesced(xs) is not None:
+        bad.append("a blocking coalesced call returned a Work")
+    if not all((x == total).all() for x in xs):
+        bad.append(f"all_reduce_coalesced gave {xs}")
+    ys = [np.full(4, float(rank)), np.full(2, float(rank))]
+    work = dist.all_reduce_coalesced(ys, op=dist.ReduceOp.MAX, async_op=True)
+    work.wait()
+    if not all((y == world_size - 1).all() for y in ys):
+        bad.append(f"async all_reduce_coalesced MAX gave {ys}")
+    outs = [[np.zeros(2) for _ in range(world_size)], [np.zeros(1, np.int32) for _ in range(world_size)]]
+    dist.all_gather_coalesced(outs, [np.full(2, float(rank)), np.full(1, rank, np.int32)])
+    for j in range(world_size):
+        if not ((outs[0][j] == j).all() and (outs[1][j] == j).all()):
+            bad.append(f"all_gather_coalesced block {j}: {outs[0][j]}, {outs[1][j]}")
+    for call, text in ((lambda: dist.all_reduce_coalesced(np.ones(2)), "must be a list"),
+                       (lambda: dist.all_gather_coalesced([[np.zeros(1)]], []), "same length")):
+        try:
+            call()
+            bad.append(f"no error for bad input ({text})")
+        except (DistInputError, DistTypeError) as e:
+            if text not in str(e):
+                bad.append(f"unclear error: {e}")
+    z = np.ones(1)
+    dist.all_reduce(z)  # the group still works after refused input
+    if z[0] != world_size:
+        bad.append("group broken by refused input")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_coalesced_collectives(backend, world_size):
+    for bad in run_world(_coalesced_rank, world_size, backend, timeout=45):
+        assert not bad, bad
+
+
+def test_availability_queries():
+    assert dist.is_gloo_available() and dist.is_available()
+    assert not dist.is_nccl_available() and not dist.is_ucc_available() and not dist.is_xccl_available()
+    assert dist.is_backend_available("gloo") and dist.is_backend_available("shm")
+    assert not dist.is_backend_available("nccl")
+    import importlib.util
+
+    assert dist.is_mpi_available() == (importlib.util.find_spec("mpi4py") is not None)
+
+
+def test_node_local_rank_and_elastic_launch(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert dist.get_node_local_rank(fallback_rank=3) == 3
+    with pytest.raises(DistInputError, match="LOCAL_RANK is not set"):
+        dist.get_node_local_rank()
+    assert not dist.is_torchelastic_launched()
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert dist.get_node_local_rank(fallback_rank=0) == 2
+    assert dist.is_torchelastic_launched()
+    monkeypatch.setenv("LOCAL_RANK", "two")
+    with pytest.raises(DistInputError, match="LOCAL_RANK='two'"):
+        dist.get_node_local_rank()
