@@ -186,14 +186,16 @@ def test_oversized_and_unrequested_transport_frames_are_skipped_not_allocated():
     with fuzz.TransportTarget("tok", slots=4) as target:
         report = fuzz.FuzzReport("transport", True, 0)
         rank = target.take_slot()
-        sock = socket.create_connection(("127.0.0.1", target.port), timeout=5)
-        target.handshake(sock, rank)
-        # 2**62 bytes announced: must be discarded as it streams, the peer stays up
-        sock.sendall(w.HEADER.pack(w.DATA, 5, 5, 2**62) + bytes(100_000))
-        time.sleep(0.2)
-        assert target.target._peers[rank].state == "up"
-        assert target.target._peers[rank].skip == 2**62 - 100_000
-        sock.close()
+        with socket.create_connection(("127.0.0.1", target.port), timeout=5) as sock:
+            target.handshake(sock, rank)
+            # 2**62 bytes announced: must be discarded as it streams, the peer stays up
+            sock.sendall(w.HEADER.pack(w.DATA, 5, 5, 2**62) + bytes(100_000))
+            peers = target.target._peers
+            deadline = time.monotonic() + 10  # the progress thread may be slow on a loaded machine
+            while (rank not in peers or peers[rank].skip != 2**62 - 100_000) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert peers[rank].state == "up"
+            assert peers[rank].skip == 2**62 - 100_000
         target.settle(report)
         target.check(report)
         assert report.ok, report.failures

@@ -52,13 +52,18 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def _resources() -> dict:
+def _resources(writers_apart: bool = False) -> dict:
     """This process's open fds, threads, /dev/shm files it created and segments it maps."""
     mine = f"distcomm-{os.getpid()}-"
     files = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
     with open("/proc/self/maps") as f:
         maps = {line.split(None, 5)[-1].strip() for line in f if "/dev/shm/distcomm" in line}
-    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+    names = [t.name for t in threading.enumerate()]
+    # a TCP peer gets its writer thread the first time the kernel refuses bytes (at most
+    # one per peer, kept until teardown): counted apart so the check does not hang on timing
+    writers = sum(n.startswith("distcomm-tcp-writer") for n in names) if writers_apart else 0
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(names) - writers,
+            "tcp_writers_within_peers": writers <= WORLD - 1,
             "shm_files": len(files), "shm_maps": len(maps)}
 
 
@@ -197,7 +202,7 @@ def _soak_rank(rank: int, n: int, port: int, backend: str, count: int, seed: int
             soak.step()
         distcomm.barrier()
         gc.collect()
-        base, base_rss = _resources(), _rss_kib()
+        base, base_rss = _resources(writers_apart=True), _rss_kib()
         curve = []  # RSS (KiB) after each tenth of the run
         t0 = time.perf_counter()
         for k in range(count):
@@ -207,7 +212,7 @@ def _soak_rank(rank: int, n: int, port: int, backend: str, count: int, seed: int
         seconds = time.perf_counter() - t0
         distcomm.barrier()
         gc.collect()
-        end, end_rss = _resources(), _rss_kib()
+        end, end_rss = _resources(writers_apart=True), _rss_kib()
         distcomm.barrier()  # nobody tears down (closing connections) before all have measured
     finally:
         distcomm.destroy_process_group()

@@ -40,13 +40,10 @@ def matplotlib_missing() -> str | None:
 
 def plot_problem(path: str) -> str | None:
     """Why ``path`` cannot be written as a figure, or None (checked before a run starts)."""
-    why = matplotlib_missing()
-    if why is not None:
-        return why
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         return f"no such directory: {folder}"
-    return None
+    return matplotlib_missing()
 
 
 def _nan(x: float | None, scale: float) -> float:

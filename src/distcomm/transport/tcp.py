@@ -1076,7 +1076,7 @@ class TcpTransport:
                 p.rlock.release()
 
     def _undefer(self, deferred: set[_Peer], parked: set[_Peer], everything: bool = False) -> None:
-        """Watch again the deferred sockets whose payload now has its receive, or
+        """Read again the deferred sockets whose payload now has its receive, or
         has waited DEFER_MAX (it then goes to an early buffer), or all of them."""
         now = time.monotonic()
         for p in list(deferred):
@@ -1086,6 +1086,8 @@ class TcpTransport:
             elif p.rlock.acquire(blocking=False):
                 try:
                     due = everything or now - p.deferred_at >= DEFER_MAX or self._staged_posted(p)
+                    if due:  # handle the staged frame now: the socket may hold nothing more
+                        self._read(p)  # to wake epoll for it (the payload may be all staged)
                 finally:
                     p.rlock.release()
                 if due:
