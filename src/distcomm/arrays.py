@@ -52,7 +52,6 @@ DTYPE_NAMES = (
 USE_ML_DTYPES = True
 
 _NATIVE = {np.dtype(n): n for n in DTYPE_NAMES if n != "bfloat16"}
-_NATIVE_STR = {d.str: n for d, n in _NATIVE.items()}  # by type string: cheaper to look up
 _UINT16 = np.dtype(np.uint16)
 _BF16_MISSING = object()
 _bf16: Any = None  # np.dtype once looked up, _BF16_MISSING if ml_dtypes is absent
@@ -154,7 +153,7 @@ def as_array(obj: Any, *, writable: bool, what: str = "tensor") -> ArrayRef:
 def _from_ndarray(
     arr: np.ndarray, obj: Any, writable: bool, what: str, fix: str, name: str | None = None
 ) -> ArrayRef:
-    name = name or _NATIVE_STR.get(arr.dtype.str)
+    name = name or _NATIVE.get(arr.dtype)  # (by dtype: dtype.str costs 0.5 us)
     if name is None:
         arr, name = _odd_dtype(arr, what)
     flags = arr.flags

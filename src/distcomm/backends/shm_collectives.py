@@ -72,6 +72,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..algorithms._common import offsets
 from ..deadline import Deadline
 from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
@@ -167,6 +168,7 @@ class ShmCollectives:
         self.small_bytes = min(small_bytes, self.slot_bytes)
         self._phase = 0
         self._next = [0] * self.size  # the slot each rank writes next
+        self._peers_from_next = [(self.rank + k) % self.size for k in range(1, self.size)]
         self._free_at = [0, 0]  # my slot b is free once every rank posted this phase
         self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}
         self._last_dtype: np.dtype | None = None  # the last _views answer, checked by identity
@@ -232,9 +234,9 @@ class ShmCollectives:
         """Peers read my slot ``b`` up to ``phase``."""
         self._free_at[b] = phase + 1
 
-    def _others(self):
-        n, r = self.size, self.rank
-        return [(r + k) % n for k in range(1, n)]
+    def _others(self) -> list[int]:
+        """The other ranks, from the next one round (computed once)."""
+        return self._peers_from_next
 
     # -- direct mode (arrays read where they lie) ---------------------------------------------
     def _heap_offset(self, arr: np.ndarray) -> int:
@@ -660,8 +662,7 @@ class ShmCollectives:
         """
         send, recv = _flat(send), _flat(recv)
         n, me = self.size, self.rank
-        s_off = np.concatenate(([0], np.cumsum(send_counts))).tolist()
-        r_off = np.concatenate(([0], np.cumsum(recv_counts))).tolist()
+        s_off, r_off = offsets(send_counts), offsets(recv_counts)  # (np.cumsum: 10 us here)
         recv[r_off[me] : r_off[me + 1]] = send[s_off[me] : s_off[me + 1]]
         if n == 1:
             return
