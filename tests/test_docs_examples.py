@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from distcomm.bench._coll_mpi import find_mpirun, mpi_missing
+from distcomm.testing.leaks import pid_alive
 from distcomm.testing.ranks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,7 +222,7 @@ def _survivors(session: int) -> list[str]:
         found = {}
         for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
             try:
-                if os.getsid(pid) == session:
+                if os.getsid(pid) == session and pid_alive(pid):  # (an exited orphan waits for init)
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         found[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
             except OSError:
