@@ -16,7 +16,7 @@ the largest ``all_reduce`` done in one phase by every rank (default 64 KiB).
 Large ``all_reduce``, ``all_gather_into_tensor`` and even ``all_to_all_single``
 read peers' private arrays in place where the kernel allows it (cross-memory
 attach, probed when the group is made; ``DISTCOMM_SHM_CMA=0`` turns it off),
-from ``DISTCOMM_SHM_REMOTE_BYTES`` up (see :mod:`.shm_collectives`).
+from ``DISTCOMM_SHM_REMOTE_BYTES`` up (default 1 MiB; see :mod:`.shm_collectives`).
 
 The world group (the one named ``"default"`` by the backend factories) also
 opens every rank's heap (:mod:`~distcomm.transport.shm_heap`,
@@ -112,7 +112,7 @@ class ShmProcessGroup(ChannelProcessGroup):
                 [np.frombuffer(mem, np.uint8, slot, ctl_bytes + (2 * r + b) * slot) for b in (0, 1)]
                 for r in range(size)
             ]
-            remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 4 << 20, 0)
+            remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 1 << 20, 0)
             collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
                                       describe=describe, local_ranks=local_ranks)
