@@ -1086,8 +1086,8 @@ class TcpTransport:
             elif p.rlock.acquire(blocking=False):
                 try:
                     due = everything or now - p.deferred_at >= DEFER_MAX or self._staged_posted(p)
-                    if due:  # handle the staged frame now: the socket may hold nothing more
-                        self._read(p)  # to wake epoll for it (the payload may be all staged)
+                    if due:  # handle the staged frame here: when the socket holds nothing
+                        self._read(p)  # more, epoll never reports it again
                 finally:
                     p.rlock.release()
                 if due:
