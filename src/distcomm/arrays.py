@@ -32,6 +32,7 @@ __all__ = [
     "USE_ML_DTYPES",
     "as_array",
     "bfloat16_dtype",
+    "native_dtype_name",
     "check_same",
     "empty_like_ref",
     "storage_dtype",
@@ -70,6 +71,11 @@ def bfloat16_dtype() -> np.dtype | None:
         else:
             _bf16 = np.dtype(ml_dtypes.bfloat16)
     return None if _bf16 is _BF16_MISSING else _bf16
+
+
+def native_dtype_name(dtype: np.dtype) -> str | None:
+    """The name of ``dtype`` if it is one NumPy has natively (not bfloat16), else None."""
+    return _NATIVE.get(dtype)
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -165,11 +171,11 @@ def _from_ndarray(
         raise DistInputError(
             f"{what} is read-only; collectives write their result into it, pass a writable array"
         )
-    flat = arr.ravel()  # a view: arr is C-contiguous
+    flat = arr if arr.ndim == 1 else arr.ravel()  # a view: arr is C-contiguous
     if not writable and flat.flags.writeable:
         flat = flat.view()
         flat.flags.writeable = False
-    return ArrayRef(flat, tuple(arr.shape), name, obj, flat.nbytes, writable, what)
+    return ArrayRef(flat, arr.shape, name, obj, flat.nbytes, writable, what)
 
 
 def _odd_dtype(arr: np.ndarray, what: str) -> tuple[np.ndarray, str]:

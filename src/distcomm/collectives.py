@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from . import api as _api
 from .api import GroupMember, _group
 from .deadline import Timeout, to_seconds
 from .debug import monitored_barrier as _monitored
@@ -49,7 +50,11 @@ __all__ = [
 
 
 def _member(group: ProcessGroup | None) -> ProcessGroup | None:
-    if group is GroupMember.NON_GROUP_MEMBER:
+    if group is None:
+        world = _api._world  # the default group, without _group's calls (every call comes here)
+        if world is not None and world.default is not None:
+            return world.default
+    elif group is GroupMember.NON_GROUP_MEMBER:
         return None
     return _group(group)
 
@@ -96,7 +101,8 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.allreduce(tensor, op, async_op), async_op)
+    work = pg.allreduce(tensor, op, async_op)
+    return work if async_op else None
 
 
 def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,

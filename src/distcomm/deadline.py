@@ -47,6 +47,9 @@ def to_timedelta(timeout: Timeout, what: str = "timeout") -> timedelta:
     return timedelta(seconds=to_seconds(timeout, what))
 
 
+_monotonic = time.monotonic
+
+
 class Deadline:
     """A point on the monotonic clock by which something must finish."""
 
@@ -54,7 +57,7 @@ class Deadline:
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.at = time.monotonic() + seconds
+        self.at = _monotonic() + seconds
 
     @classmethod
     def after(cls, timeout: Timeout, what: str = "timeout") -> Deadline:

@@ -26,7 +26,7 @@ from .debug.recorder import COMPLETED as _COMPLETED
 from .debug.recorder import STARTED as _STARTED
 from .debug.recorder import now as _now
 from .errors import DistBackendError, DistDesyncError, DistError, DistTimeoutError
-from .work import Work, finished
+from .work import Work, _Finished
 
 __all__ = ["ProcessGroup"]
 
@@ -34,70 +34,58 @@ Runner = Callable[[int, Deadline], Any]
 
 
 class _Serial:
-    """Runs callables one at a time, in submission order."""
+    """Runs callables one at a time, in submission order.
+
+    ``_busy`` is held by whoever runs one: the worker thread, or a caller
+    running a blocking call in its own thread when nothing is queued (its
+    non-blocking acquire is the whole claim, so the common case takes no
+    other lock).  The worker takes ``_busy`` before it takes a job off the
+    queue, so a caller cannot overtake a job already queued.
+    """
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._lock = threading.Lock()
-        self._mu = threading.Condition(self._lock)
+        self._mu = threading.Condition(threading.Lock())
+        self._busy = threading.Lock()
         self._queue: deque[tuple[Callable[[], None], Work]] = deque()
-        self._running = False
         self._thread: threading.Thread | None = None
         self._stopped = False
 
-    def submit(self, job: Callable[[], None], work: Work, inline: bool) -> None:
+    def submit(self, job: Callable[[], None], work: Work) -> None:
+        """Queue ``job`` for the group's worker thread (started on first need)."""
         with self._mu:
             if self._stopped:
                 raise DistBackendError(f"process group {self._name!r} was destroyed")
-            if inline and not self._running and not self._queue:
-                self._running = True
-            else:
-                self._queue.append((job, work))
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._loop, name=f"distcomm-group:{self._name}", daemon=True
-                    )
-                    self._thread.start()
-                self._mu.notify_all()
-                return
-        try:
-            job()
-        finally:
-            with self._mu:
-                self._running = False
-                self._mu.notify_all()
+            self._queue.append((job, work))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"distcomm-group:{self._name}", daemon=True
+                )
+                self._thread.start()
+            self._mu.notify_all()
 
     def enter_inline(self) -> bool:
         """Claim the executor for a blocking call in the caller's thread, if idle."""
-        with self._lock:
-            if self._stopped:
-                raise DistBackendError(f"process group {self._name!r} was destroyed")
-            if self._running or self._queue:
-                return False
-            self._running = True
-            return True
+        if self._stopped:
+            raise DistBackendError(f"process group {self._name!r} was destroyed")
+        return not self._queue and self._busy.acquire(False)
 
     def leave_inline(self) -> None:
-        with self._lock:
-            self._running = False
-            if self._queue:
-                self._mu.notify_all()
+        self._busy.release()  # a worker waiting for it with a queued job goes on
 
     def _loop(self) -> None:
         while True:
             with self._mu:
-                while not self._stopped and (self._running or not self._queue):
+                while not self._stopped and not self._queue:
                     self._mu.wait()
-                if self._stopped and not self._queue:
-                    return
-                job, _ = self._queue.popleft()
-                self._running = True
-            try:
-                job()
-            finally:
+                if not self._queue:
+                    return  # stopped
+            with self._busy:
                 with self._mu:
-                    self._running = False
-                    self._mu.notify_all()
+                    if not self._queue:
+                        continue  # stop() failed it meanwhile
+                    job, _ = self._queue.popleft()
+                job()
 
     def stop(self, error: BaseException, timeout: float = 10.0) -> None:
         """Fail what is queued, stop the thread, join it."""
@@ -214,34 +202,14 @@ class ProcessGroup:
         """
         if self._broken is not None or self._closed:
             self.check_usable()
-        seq = self._next_seq()
+        seq = next(self._seqs)  # (_next_seq, inline: this path runs for every small call)
         if self._detail is not None and info is not None:
             run = self._detail.wrap(op, info, run)
         seconds = self.timeout if timeout is None else timeout
-        ring = _rec.ring
         if not async_op and self._serial.enter_inline():
-            # the common case, kept lean: no hand-off, no waiting on a Work
-            entry = None
-            if ring is not None:  # the flight recorder: one list per operation, updated in place
-                t = _now()
-                entry = [t, t, None, _STARTED, self.group_name, seq, op, info, None, None]
-                ring.append(entry)
-            try:
-                out = run(seq, Deadline(seconds))
-            except BaseException as e:  # noqa: BLE001 - re-raised as the user-facing error
-                if entry is not None:
-                    _rec.finish(entry, e)
-                err = self._failed(op, seq, e)
-                if err is e:
-                    raise
-                raise err from e
-            finally:
-                self._serial.leave_inline()
-            if entry is not None:
-                entry[2] = _now()  # F_FINISHED
-                entry[3] = _COMPLETED  # F_STATE
-            return finished(op, self.group_name, seq, result if result is not None else out)
+            return self._run_claimed(op, seq, info, run, seconds, result)
         work = Work(op, self.group_name, seq, self._describe_peers)
+        ring = _rec.ring
         entry = None if ring is None else _rec.entry(self.group_name, seq, op, info, _rec.SCHEDULED)
 
         def job() -> None:
@@ -267,10 +235,37 @@ class ProcessGroup:
                 _rec.finish(entry)
             work._finish(result if result is not None else out)
 
-        self._serial.submit(job, work, inline=not async_op)
+        self._serial.submit(job, work)
         if not async_op:
             work.wait()
         return work
+
+    def _run_claimed(self, op: str, seq: int, info: Any, run: Runner, seconds: float,
+                     result: Any = None) -> Work:
+        """Run ``run(seq, deadline)`` now, in the caller's thread, which claimed the
+        executor (``_serial.enter_inline()``; released here): the common case of a
+        blocking call, kept lean (no hand-off, no waiting on a Work)."""
+        entry = None
+        ring = _rec.ring
+        if ring is not None:  # the flight recorder: one list per operation, updated in place
+            t = _now()
+            entry = [t, t, None, _STARTED, self.group_name, seq, op, info, None, None]
+            ring.append(entry)
+        try:
+            out = run(seq, Deadline(seconds))
+        except BaseException as e:  # noqa: BLE001 - re-raised as the user-facing error
+            if entry is not None:
+                _rec.finish(entry, e)
+            err = self._failed(op, seq, e)
+            if err is e:
+                raise
+            raise err from e
+        finally:
+            self._serial.leave_inline()
+        if entry is not None:
+            entry[2] = _now()  # F_FINISHED
+            entry[3] = _COMPLETED  # F_STATE
+        return _Finished(op, self.group_name, seq, result if result is not None else out)
 
     def _failed(self, op: str, seq: int | None, e: BaseException) -> BaseException:
         """Turn a failure into the error users see, and break the group."""

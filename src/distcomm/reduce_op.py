@@ -242,16 +242,25 @@ def combiner(op: Any, dtype_name: str) -> Combiner:
 
 
 _CHECKED: dict[tuple[Any, str], tuple[ReduceOp, Combiner]] = {}
+#: The answers for the members (``ReduceOp.SUM``...), by ``id``: they live as long as the
+#: module, and hashing a ReduceOp is a Python call.
+_MEMBER_IDS = {id(m) for m in REDUCE_OPS}
+_BY_MEMBER: dict[tuple[int, str], tuple[ReduceOp, Combiner]] = {}
 
 
 def op_combiner(op: Any, dtype_name: str) -> tuple[ReduceOp, Combiner]:
     """``(check_op(op, dtype_name), combiner(op, dtype_name))``, cached for hashable ops."""
+    pair = _BY_MEMBER.get((id(op), dtype_name))
+    if pair is not None:
+        return pair
     try:
         return _CHECKED[(op, dtype_name)]
     except (KeyError, TypeError):
         pass
     checked = check_op(op, dtype_name)
     pair = (checked, _combiner(checked.name, dtype_name))
+    if id(op) in _MEMBER_IDS:
+        _BY_MEMBER[(id(op), dtype_name)] = pair
     try:
         if len(_CHECKED) < 256:
             _CHECKED[(op, dtype_name)] = pair
@@ -327,6 +336,10 @@ def _combiner(name: str, dtype_name: str) -> Combiner:
     return combine
 
 
+#: The ops :func:`finalize` has work for.
+FINALIZED = ("AVG", "PREMUL_SUM")
+
+
 def finalize(op: Any, array: np.ndarray, world_size: int, dtype: str | None = None) -> None:
     """Finish a reduction in place: ``AVG`` divides by ``world_size``, ``PREMUL_SUM``
     multiplies by its factor; other ops do nothing.
@@ -335,7 +348,7 @@ def finalize(op: Any, array: np.ndarray, world_size: int, dtype: str | None = No
     (a uint16 array under ``AVG``/``PREMUL_SUM`` can only be bfloat16 bits).
     """
     op = as_reduce_op(op)
-    if op.name not in ("AVG", "PREMUL_SUM"):
+    if op.name not in FINALIZED:
         return
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise DistInputError(f"world_size must be an int >= 1, got {world_size!r}")

@@ -130,13 +130,24 @@ def _no_peers() -> str:
     return "no other rank"
 
 
+class _Finished(Work):
+    """A Work that already succeeded: what a blocking call returns, made cheaply
+    (the fields every finished Work shares are class attributes)."""
+
+    _peers = staticmethod(_no_peers)
+    _done = _SET  # type: ignore[assignment]
+    _error = None
+    _source = None
+    _future = None
+    _lock = _FINISHED_LOCK  # type: ignore[assignment]
+
+    def __init__(self, op: str, group: str, seq: int | None, result: Any) -> None:
+        self.op, self.group, self.seq, self._result = op, group, seq, result
+
+
 def finished(op: str, group: str, seq: int | None, result: Any = None) -> Work:
     """A Work that already succeeded with ``result`` (made cheaply: blocking calls)."""
-    w = Work.__new__(Work)
-    w.op, w.group, w.seq, w._peers = op, group, seq, _no_peers
-    w._done, w._error, w._result, w._source, w._future = _SET, None, result, None, None  # type: ignore[assignment]
-    w._lock = _FINISHED_LOCK
-    return w
+    return _Finished(op, group, seq, result)
 
 
 def completed(op: str, group: str, result: Any = None) -> Work:

@@ -168,6 +168,7 @@ class ShmCollectives:
         self.small_bytes = min(small_bytes, self.slot_bytes)
         self._phase = 0
         self._next = [0] * self.size  # the slot each rank writes next
+        self._zeros, self._ones = [0] * self.size, [1] * self.size
         self._peers_from_next = [(self.rank + k) % self.size for k in range(1, self.size)]
         self._free_at = [0, 0]  # my slot b is free once every rank posted this phase
         self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}
@@ -209,7 +210,9 @@ class ShmCollectives:
     def _all_write(self, deadline: Deadline) -> list[int]:
         """Every rank writes a slot this phase: which one each uses (mine is made free)."""
         used = self._next
-        self._next = [b ^ 1 for b in used]
+        # usually every rank is on the same slot: flip without a comprehension
+        self._next = self._ones[:] if used == self._zeros else (
+            self._zeros[:] if used == self._ones else [b ^ 1 for b in used])
         self.ctl.wait_all(self._free_at[used[self.rank]], deadline)
         return used
 
@@ -321,7 +324,8 @@ class ShmCollectives:
         self.ctl.wait_all(q, deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Combine, seq: int, deadline: Deadline) -> None:
-        arr = _flat(arr)
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)
         if self.size == 1 or arr.size == 0:
             return
         if arr.nbytes <= self.small_bytes:
@@ -330,23 +334,27 @@ class ShmCollectives:
             self._allreduce_large(arr, combine, deadline)
 
     def _allreduce_small(self, arr: np.ndarray, combine: Combine, deadline: Deadline) -> None:
-        small = self._small_views(arr.dtype, arr.size)
-        q = self._begin()
+        # the hot path of small calls: kept free of avoidable calls (each costs here)
+        key = (arr.dtype, arr.size)
+        small = self._small if key == self._small_key else self._small_views(*key)
+        self._phase = q = self._phase + 1
         used = self._all_write(deadline)
         me = self.rank
         small[me][used[me]][...] = arr
-        self.ctl.post(q)
-        self.ctl.wait_all(q, deadline)
+        ctl = self.ctl
+        ctl.post(q)
+        ctl.wait_all(q, deadline)
         into = getattr(combine, "into", None)
         if into is not None:
             into(small[0][used[0]], small[1][used[1]], arr)
-            first = 2
+            if self.size > 2:
+                for j in range(2, self.size):
+                    combine(arr, small[j][used[j]])
         else:
             arr[...] = small[0][used[0]]
-            first = 1
-        for j in range(first, self.size):
-            combine(arr, small[j][used[j]])
-        self._read_until(used[me], q)
+            for j in range(1, self.size):
+                combine(arr, small[j][used[j]])
+        self._free_at[used[me]] = q + 1  # _read_until, inline
 
     def _small_views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
         """Every slot's first ``count`` elements of ``dtype`` (the last answer is kept:

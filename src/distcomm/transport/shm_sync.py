@@ -149,10 +149,12 @@ class Control:
         self._header = raw[:LINE].view(np.int64)
         asleep_end = LINE + ((size * 4 + LINE - 1) // LINE) * LINE
         self._asleep = raw[LINE : LINE + size]  # one byte a rank, read 8 at a time by posters
-        self._asleep_words = raw[LINE : LINE + (size + 7) // 8 * 8].view(np.int64)
+        # memoryviews: indexing one gives a Python int, several times cheaper than NumPy's scalars
+        self._asleep_words = memoryview(raw[LINE : LINE + (size + 7) // 8 * 8].view(np.int64))
         self._word_index = list(range(len(self._asleep_words)))
         lines = raw[asleep_end:].view(np.int64).reshape(size, LINE // 8)
-        self.counters = lines[:, 0]
+        #: Every rank's counter (a memoryview of int64, one per cache line).
+        self.counters = memoryview(lines[:, 0])
         base = raw.ctypes.data + asleep_end
         self._addr = [base + r * LINE for r in range(size)]
         self._describe = describe or (lambda r: f"rank {r}")
