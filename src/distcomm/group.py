@@ -120,6 +120,7 @@ class ProcessGroup:
         self.ranks = list(ranks)
         self._seqs = itertools.count(1)  # next() is atomic
         self._serial = _Serial(group_name)
+        self._inline_deadline = Deadline(timeout)  # see _run_claimed
         self._broken: BaseException | None = None
         self._closed = False
 
@@ -251,8 +252,13 @@ class ProcessGroup:
             t = _now()
             entry = [t, t, None, _STARTED, self.group_name, seq, op, info, None, None]
             ring.append(entry)
+        # One Deadline per group, reset for each call: calls in the caller's thread run one at a
+        # time (the executor is claimed) and nothing keeps a deadline after its call returns.
+        deadline = self._inline_deadline
+        deadline.seconds = seconds
+        deadline.at = _now() + seconds  # (time.monotonic, as Deadline)
         try:
-            out = run(seq, Deadline(seconds))
+            out = run(seq, deadline)
         except BaseException as e:  # noqa: BLE001 - re-raised as the user-facing error
             if entry is not None:
                 _rec.finish(entry, e)

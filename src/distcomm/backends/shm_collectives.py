@@ -159,7 +159,7 @@ class ShmCollectives:
 
     def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int,
                  heaps: list[np.ndarray] | None = None, reader: PeerReader | None = None,
-                 remote_bytes: int = 0) -> None:
+                 remote_bytes: int = 0, remote_allreduce: bool = True) -> None:
         self.ctl = control
         self.rank = control.rank
         self.size = control.size
@@ -183,6 +183,8 @@ class ShmCollectives:
         self.reader = reader
         #: Smallest array read that way (bytes).
         self.remote_bytes = max(remote_bytes, self.small_bytes + 1)
+        #: Whether ``all_reduce`` reads private arrays in place too (see ShmProcessGroup).
+        self.remote_allreduce = remote_allreduce
         self.remote_calls = 0
         self._scratch = np.empty(_PIECE_BYTES, np.uint8)
         if heaps is not None:
@@ -375,9 +377,9 @@ class ShmCollectives:
             m0 = min(per, arr.size)
 
             def fill(b: int) -> None:
-                views[me][b][:m0] = arr[:m0]
+                self._fill_others(views[me][b], arr[:m0])
 
-            mode, q, used, src = self._open(arr, fill, deadline)
+            mode, q, used, src = self._open(arr, fill, deadline, remote=self.remote_allreduce)
             if src is not None:
                 self._allreduce_direct(arr, src, combine, deadline)
                 return
@@ -388,23 +390,41 @@ class ShmCollectives:
             chunk = arr[lo : lo + per]
             q = self._begin()
             used = self._all_write(deadline)
-            views[me][used[me]][: chunk.size] = chunk
+            self._fill_others(views[me][used[me]], chunk)
             self.ctl.post(q)
             self._allreduce_round(chunk, q, used, views, combine, deadline)
 
+    def _fill_others(self, slot: np.ndarray, chunk: np.ndarray) -> None:
+        """Copy ``chunk`` into ``slot`` except this rank's own slice, which only this rank
+        reduces (from ``chunk`` itself): (n-1)/n of the bytes."""
+        s0, s1 = _bounds(chunk.size, self.size, self.rank)
+        slot[:s0] = chunk[:s0]
+        slot[s1 : chunk.size] = chunk[s1:]
+
     def _allreduce_round(self, chunk: np.ndarray, q: int, used: list[int], views: list[list[np.ndarray]],
                          combine: Combine, deadline: Deadline) -> None:
-        """The rest of a round once every rank wrote ``chunk`` into its slot and posted ``q``:
-        reduce my slice of every slot, post, copy every slice out."""
+        """The rest of a round once every rank wrote ``chunk`` (all but its own slice) into
+        its slot and posted ``q``: reduce my slice of ``chunk`` and every peer's slot into my
+        slot, post, copy every slice out."""
         n, me = self.size, self.rank
         others = self._others()
         m = chunk.size
         mine = views[me][used[me]]
         s0, s1 = _bounds(m, n, me)
         acc = mine[s0:s1]
+        into = getattr(combine, "into", None)
+        first = True
         for j in others:
             self.ctl.wait(j, q, deadline)
-            combine(acc, views[j][used[j]][s0:s1])
+            theirs = views[j][used[j]][s0:s1]
+            if not first:
+                combine(acc, theirs)
+            elif into is not None:
+                into(chunk[s0:s1], theirs, acc)
+            else:
+                acc[...] = chunk[s0:s1]
+                combine(acc, theirs)
+            first = False
         q2 = self._begin()
         self.ctl.post(q2)
         chunk[s0:s1] = acc

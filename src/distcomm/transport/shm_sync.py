@@ -33,7 +33,7 @@ import numpy as np
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
 
-__all__ = ["Control", "control_bytes", "futex_wait", "futex_wake", "HAVE_FUTEX", "wait_budget"]
+__all__ = ["Control", "control_bytes", "cpu_count", "futex_wait", "futex_wake", "HAVE_FUTEX", "wait_budget"]
 
 LINE = 64
 #: Longest single sleep (s): bounds a lost wake-up and the time to notice a dead peer.
@@ -73,7 +73,8 @@ def control_bytes(size: int) -> int:
     return LINE * (1 + asleep_lines + size)
 
 
-def _cpus() -> int:
+def cpu_count() -> int:
+    """CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -93,7 +94,7 @@ def wait_budget(local_ranks: int) -> tuple[float, float]:
     """(spin, yield) seconds of a wait before it sleeps, for ``local_ranks`` ranks on
     this machine: with more ranks than CPUs, no spinning and a short yield, so that a
     descheduled peer gets the CPU."""
-    if local_ranks > _cpus():
+    if local_ranks > cpu_count():
         return 0.0, 0.0002
     raw = os.environ.get("DISTCOMM_SHM_SPIN_US", "").strip()
     try:
@@ -151,7 +152,6 @@ class Control:
         self._asleep = raw[LINE : LINE + size]  # one byte a rank, read 8 at a time by posters
         # memoryviews: indexing one gives a Python int, several times cheaper than NumPy's scalars
         self._asleep_words = memoryview(raw[LINE : LINE + (size + 7) // 8 * 8].view(np.int64))
-        self._word_index = list(range(len(self._asleep_words)))
         lines = raw[asleep_end:].view(np.int64).reshape(size, LINE // 8)
         #: Every rank's counter (a memoryview of int64, one per cache line).
         self.counters = memoryview(lines[:, 0])
@@ -179,11 +179,8 @@ class Control:
     def post(self, value: int) -> None:
         """Publish this rank's counter ``value`` and wake sleepers."""
         self.counters[self.rank] = value
-        words = self._asleep_words
-        for i in self._word_index:
-            if words[i]:
-                futex_wake(self._addr[self.rank])
-                return
+        if any(self._asleep_words):
+            futex_wake(self._addr[self.rank])
 
     def abort(self, rank: int, culprit: int | None = None) -> None:
         """Tell every peer the group is aborted by ``rank`` (because of ``culprit``,
@@ -213,6 +210,9 @@ class Control:
         if self._seen_all >= target:
             return
         counters = self.counters
+        if min(counters) >= target:  # (a loop in C: the usual case at small sizes)
+            self._seen_all = target
+            return
         for r in range(self.size):
             if counters[r] < target:
                 self.wait(r, target, deadline)
