@@ -242,15 +242,14 @@ def _check(results: list[dict]) -> None:
 
 #: DISTCOMM_SHM_REMOTE_BYTES of these tests: the smallest private array peers read in place.
 _REMOTE_BYTES = 256 * 1024
-#: all_reduce reads private arrays in place only with more ranks than CPUs unless forced.
-_REMOTE_ENV = {"DISTCOMM_SHM_REMOTE_BYTES": str(_REMOTE_BYTES), "DISTCOMM_SHM_REMOTE_ALLREDUCE": "1"}
+_REMOTE_ENV = {"DISTCOMM_SHM_REMOTE_BYTES": str(_REMOTE_BYTES)}
 
 
-def _expected(pattern: str, remote: bool, remote_allreduce: bool = True) -> tuple[int, int]:
+def _expected(pattern: str, remote: bool) -> tuple[int, int]:
     """(direct, remote) collectives of one _coll_rank run: direct when every array is in
     its heap, remote (peers' private arrays read in place) when ``remote`` and the private
-    arrays are at least :data:`_REMOTE_BYTES` (all_reduce if ``remote_allreduce``, and
-    all_gather_into_tensor); large means > 64 KiB."""
+    arrays are at least :data:`_REMOTE_BYTES` (all_reduce and all_gather_into_tensor only);
+    large means > 64 KiB."""
     n = len(pattern)
     direct = far = 0
     if n == 1:
@@ -268,7 +267,7 @@ def _expected(pattern: str, remote: bool, remote_allreduce: bool = True) -> tupl
     every = [c == "h" for c in pattern]
     for c, d in _CASES:
         isz = storage(d).itemsize
-        count(c * isz, every, 1 if d == "bfloat16" else 2, readable=remote_allreduce)  # all_reduce, MAX
+        count(c * isz, every, 1 if d == "bfloat16" else 2)  # all_reduce (and MAX)
         for root in {0, n - 1}:
             count(c * isz, [every[root]], readable=False)  # broadcast: the root decides
         count(c * n * isz, every, 2)  # all_gather_into_tensor x2
@@ -294,31 +293,6 @@ def test_private_arrays_are_read_in_place_or_copied(pattern, remote):
     _check(results)
     want = _expected(pattern, remote)
     assert [(r["direct"], r["remote"]) for r in results] == [want] * len(pattern)
-
-
-@pytest.mark.parametrize("pattern", ["hp", "pp"])
-def test_all_reduce_copies_private_arrays_through_the_slots_when_told(pattern):
-    """DISTCOMM_SHM_REMOTE_ALLREDUCE=0 (the default with a CPU per rank): all_reduce goes
-    through the slots, all_gather_into_tensor still reads peers' arrays in place."""
-    env = {**_REMOTE_ENV, "DISTCOMM_SHM_REMOTE_ALLREDUCE": "0"}
-    results = run_world(_coll_rank, len(pattern), "shm", pattern, timeout=80, env=env)
-    _check(results)
-    want = _expected(pattern, True, remote_allreduce=False)
-    assert [(r["direct"], r["remote"]) for r in results] == [want] * len(pattern)
-
-
-def test_remote_all_reduce_only_when_ranks_outnumber_cpus(monkeypatch):
-    from distcomm.backends.shm import remote_allreduce
-    from distcomm.transport.shm_sync import cpu_count
-
-    monkeypatch.delenv("DISTCOMM_SHM_REMOTE_ALLREDUCE", raising=False)
-    assert remote_allreduce(cpu_count()) is False
-    assert remote_allreduce(cpu_count() + 1) is True
-    monkeypatch.setenv("DISTCOMM_SHM_REMOTE_ALLREDUCE", "1")
-    assert remote_allreduce(1) is True
-    monkeypatch.setenv("DISTCOMM_SHM_REMOTE_ALLREDUCE", "yes")
-    with pytest.raises(DistInputError, match="expected 0 or 1"):
-        remote_allreduce(1)
 
 
 def test_auto_on_one_machine_goes_direct():

@@ -46,7 +46,7 @@ from ..transport.shm_channel import ShmChannel
 from ..transport.shm_cma import PeerReader, cma_wanted, probe_peer, probe_token
 from ..transport.shm_heap import Heap, SharedHeaps, heap_bytes
 from ..transport.shm_segment import Segment, host_key, open_shared
-from ..transport.shm_sync import LINE, Control, control_bytes, cpu_count
+from ..transport.shm_sync import LINE, Control, control_bytes
 from .channel_group import ChannelProcessGroup
 from .shm_collectives import ShmCollectives
 
@@ -73,21 +73,6 @@ def slot_bytes() -> int:
     """Bytes of one slot (its header included), a multiple of 64."""
     size = _env_bytes("DISTCOMM_SHM_SLOT_BYTES", 512 * 1024, 4096)
     return (size + LINE - 1) // LINE * LINE
-
-
-def remote_allreduce(local_ranks: int) -> bool:
-    """Whether a large ``all_reduce`` reads peers' private arrays in place (one kernel
-    copy, fewer phases) rather than through the slots: only with more ranks on this
-    machine than CPUs, where each phase may wait for a descheduled peer.  With a core
-    per rank the slots are faster (2 ranks: 0.75x the time at 1 MiB, 0.8-0.95x at
-    4-64 MiB; 4 ranks on 2 cores: 1.03-1.17x, see docs/benchmarks.md).
-    ``DISTCOMM_SHM_REMOTE_ALLREDUCE=1``/``0`` forces either."""
-    raw = os.environ.get("DISTCOMM_SHM_REMOTE_ALLREDUCE", "").strip()
-    if raw in ("0", "1"):
-        return raw == "1"
-    if raw:
-        raise DistInputError(f"DISTCOMM_SHM_REMOTE_ALLREDUCE={raw!r}: expected 0 or 1")
-    return local_ranks > cpu_count()
 
 
 class ShmProcessGroup(ChannelProcessGroup):
@@ -128,8 +113,7 @@ class ShmProcessGroup(ChannelProcessGroup):
                 for r in range(size)
             ]
             remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 1 << 20, 0)
-            collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote,
-                                         remote_allreduce=remote_allreduce(local_ranks))
+            collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
                                       describe=describe, local_ranks=local_ranks)
         except BaseException:

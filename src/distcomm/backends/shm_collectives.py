@@ -159,7 +159,7 @@ class ShmCollectives:
 
     def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int,
                  heaps: list[np.ndarray] | None = None, reader: PeerReader | None = None,
-                 remote_bytes: int = 0, remote_allreduce: bool = True) -> None:
+                 remote_bytes: int = 0) -> None:
         self.ctl = control
         self.rank = control.rank
         self.size = control.size
@@ -183,8 +183,6 @@ class ShmCollectives:
         self.reader = reader
         #: Smallest array read that way (bytes).
         self.remote_bytes = max(remote_bytes, self.small_bytes + 1)
-        #: Whether ``all_reduce`` reads private arrays in place too (see ShmProcessGroup).
-        self.remote_allreduce = remote_allreduce
         self.remote_calls = 0
         self._scratch = np.empty(_PIECE_BYTES, np.uint8)
         if heaps is not None:
@@ -379,7 +377,7 @@ class ShmCollectives:
             def fill(b: int) -> None:
                 self._fill_others(views[me][b], arr[:m0])
 
-            mode, q, used, src = self._open(arr, fill, deadline, remote=self.remote_allreduce)
+            mode, q, used, src = self._open(arr, fill, deadline)
             if src is not None:
                 self._allreduce_direct(arr, src, combine, deadline)
                 return
