@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import threading
 import tracemalloc
 import warnings
 import zlib
@@ -273,6 +274,36 @@ def test_combine_matches_python(name, dtype):
     got = reduce_arrays(op, [x.reshape(3, 11) for x in inputs])
     assert got.shape == (3, 11) and got.dtype == np.dtype(dtype)
     assert np.array_equal(got.reshape(-1), dst)
+
+
+def test_overflow_is_quiet_in_every_thread_and_the_callers_setting_stays():
+    """Float reductions run in a per-thread quiet context: overflow to inf warns nowhere,
+    threads reduce at the same time, and the caller's np.errstate is left as it was."""
+    combine = combiner(ReduceOp.SUM, "float32")
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            big = np.full(64, 3e38, np.float32)
+            out = np.empty_like(big)
+            for _ in range(2000):
+                combine.into(big, big, out)
+                combine(out, big)
+            assert np.isinf(out).all()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with warnings.catch_warnings(), np.errstate(over="raise"):
+        warnings.simplefilter("error")
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        work()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        with pytest.raises(FloatingPointError):  # the caller's own arithmetic still raises
+            np.full(2, 3e38, np.float32) * np.float32(10)
 
 
 def test_bool_semantics():
