@@ -247,17 +247,17 @@ class ProcessGroup:
         executor (``_serial.enter_inline()``; released here): the common case of a
         blocking call, kept lean (no hand-off, no waiting on a Work)."""
         entry = None
-        ring = _rec.ring
-        if ring is not None:  # the flight recorder: one list per operation, updated in place
-            t = _now()
-            entry = [t, t, None, _STARTED, self.group_name, seq, op, info, None, None]
-            ring.append(entry)
-        # One Deadline per group, reset for each call: calls in the caller's thread run one at a
-        # time (the executor is claimed) and nothing keeps a deadline after its call returns.
-        deadline = self._inline_deadline
-        deadline.seconds = seconds
-        deadline.at = _now() + seconds  # (time.monotonic, as Deadline)
-        try:
+        try:  # everything after the claim: the finally below always releases it
+            ring = _rec.ring
+            if ring is not None:  # the flight recorder: one list per operation, updated in place
+                t = _now()
+                entry = [t, t, None, _STARTED, self.group_name, seq, op, info, None, None]
+                ring.append(entry)
+            # One Deadline per group, reset for each call: calls in the caller's thread run one
+            # at a time (the executor is claimed) and nothing keeps a deadline after its call.
+            deadline = self._inline_deadline
+            deadline.seconds = seconds
+            deadline.at = _now() + seconds  # (time.monotonic, as Deadline)
             out = run(seq, deadline)
         except BaseException as e:  # noqa: BLE001 - re-raised as the user-facing error
             if entry is not None:

@@ -195,14 +195,15 @@ class ChannelProcessGroup(ProcessGroup):
             if lean is None:
                 lean = _lean_allreduce(op, tensor.dtype)
             flags = tensor.flags
-            if (lean and flags.c_contiguous and flags.writeable
-                    and self._broken is None and not self._closed and self._serial.enter_inline()):
+            if lean and flags.c_contiguous and flags.writeable and self._broken is None and not self._closed:
                 flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
                 algorithm, combine = self.algorithms.allreduce, lean[2]
-                return self._run_claimed(
-                    "all_reduce", next(self._seqs), (tensor.shape, lean[1], None, lean[0], None),
-                    lambda seq, deadline: algorithm(flat, combine, seq, deadline), self.timeout, tensor,
-                )
+                info = (tensor.shape, lean[1], None, lean[0], None)
+                if self._serial.enter_inline():  # (then straight into _run_claimed, which releases it)
+                    return self._run_claimed(
+                        "all_reduce", next(self._seqs), info,
+                        lambda seq, deadline: algorithm(flat, combine, seq, deadline), self.timeout, tensor,
+                    )
         ref = self._ref(tensor, "tensor")
         op, combine = op_combiner(op, ref.dtype)
         final = op.name in FINALIZED
