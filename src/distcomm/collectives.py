@@ -101,8 +101,7 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     pg = _member(group)
     if pg is None:
         return None
-    work = pg.allreduce(tensor, op, async_op)
-    return work if async_op else None
+    return _ret(pg.allreduce(tensor, op, async_op), async_op)
 
 
 def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,

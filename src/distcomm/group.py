@@ -26,7 +26,7 @@ from .debug.recorder import COMPLETED as _COMPLETED
 from .debug.recorder import STARTED as _STARTED
 from .debug.recorder import now as _now
 from .errors import DistBackendError, DistDesyncError, DistError, DistTimeoutError
-from .work import Work, _Finished
+from .work import Work, finished
 
 __all__ = ["ProcessGroup"]
 
@@ -271,7 +271,7 @@ class ProcessGroup:
         if entry is not None:
             entry[2] = _now()  # F_FINISHED
             entry[3] = _COMPLETED  # F_STATE
-        return _Finished(op, self.group_name, seq, result if result is not None else out)
+        return finished(op, self.group_name, seq, result if result is not None else out)
 
     def _failed(self, op: str, seq: int | None, e: BaseException) -> BaseException:
         """Turn a failure into the error users see, and break the group."""

@@ -141,13 +141,13 @@ class _Finished(Work):
     _future = None
     _lock = _FINISHED_LOCK  # type: ignore[assignment]
 
-    def __init__(self, op: str, group: str, seq: int | None, result: Any) -> None:
+    def __init__(self, op: str, group: str, seq: int | None, result: Any = None) -> None:
         self.op, self.group, self.seq, self._result = op, group, seq, result
 
 
-def finished(op: str, group: str, seq: int | None, result: Any = None) -> Work:
-    """A Work that already succeeded with ``result`` (made cheaply: blocking calls)."""
-    return _Finished(op, group, seq, result)
+#: ``finished(op, group, seq, result=None)``: a Work that already succeeded with ``result``
+#: (the class itself: no call in between on the path of every blocking call).
+finished = _Finished
 
 
 def completed(op: str, group: str, result: Any = None) -> Work:

@@ -23,7 +23,7 @@ from ..deadline import Deadline, to_seconds
 from ..debug import recorder as _rec
 from ..errors import DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup
-from ..reduce_op import FINALIZED, REDUCE_OPS, finalize, op_combiner
+from ..reduce_op import FINALIZED, finalize, op_combiner
 from ..transport.base import MAX_P2P_TAG, Channel, Request, p2p_tag
 from ..work import Work
 
@@ -31,28 +31,6 @@ __all__ = ["ChannelProcessGroup"]
 
 #: The argument description of a collective without arguments (barrier).
 _NO_ARGS = (None, None, None, None, None)
-
-
-#: ``(id(op), dtype)`` -> ``(op, dtype name, combine)`` for the lean all_reduce lane, or
-#: ``()`` where it does not apply; members of ReduceOp only (their ids are never reused).
-_LEAN: dict[tuple[int, np.dtype], tuple[Any, ...]] = {}
-
-
-def _lean_allreduce(op: Any, dtype: np.dtype) -> tuple[Any, ...]:
-    """The lean lane's answer for ``op`` on ``dtype``: ``(op, dtype name, combine)``
-    for a member of :class:`ReduceOp` with nothing to finalize on a dtype NumPy has
-    natively, else ``()``.  An op the dtype does not support raises here, as on the
-    ordinary path."""
-    if not any(op is m for m in REDUCE_OPS):
-        return ()
-    name = native_dtype_name(dtype)
-    got: tuple[Any, ...] = ()
-    if name is not None and op.name not in FINALIZED:
-        checked, combine = op_combiner(op, name)
-        got = (checked, name, combine)
-    if len(_LEAN) < 1024:
-        _LEAN[(id(op), dtype)] = got
-    return got
 
 
 class _Staging:
@@ -188,18 +166,20 @@ class ChannelProcessGroup(ProcessGroup):
 
     def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Work:
         if not async_op and type(tensor) is np.ndarray and self._detail is None:
-            # the lean lane of the most common small call: a plain NumPy array, a member
-            # op with nothing to finalize, the group idle (what as_array, op_combiner and
-            # _submit check, without the objects they make: about half of the call here)
-            lean = _LEAN.get((id(op), tensor.dtype))
-            if lean is None:
-                lean = _lean_allreduce(op, tensor.dtype)
+            # the lean lane of the most common small call: a plain contiguous writable NumPy
+            # array of a native dtype, an op with nothing to finalize, the group idle (what
+            # as_array and _submit check, without the objects they make: about half of the
+            # call here); anything else, bad input included, takes the ordinary path
+            name = native_dtype_name(tensor.dtype)
             flags = tensor.flags
-            if lean and flags.c_contiguous and flags.writeable and self._broken is None and not self._closed:
+            if (name is not None and flags.c_contiguous and flags.writeable
+                    and self._broken is None and not self._closed):
+                checked, combine = op_combiner(op, name)  # a bad op raises here, as below
                 flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
-                algorithm, combine = self.algorithms.allreduce, lean[2]
-                info = (tensor.shape, lean[1], None, lean[0], None)
-                if self._serial.enter_inline():  # (then straight into _run_claimed, which releases it)
+                algorithm = self.algorithms.allreduce
+                info = (tensor.shape, name, None, checked, None)
+                # (then straight into _run_claimed, which releases the claim)
+                if checked.name not in FINALIZED and self._serial.enter_inline():
                     return self._run_claimed(
                         "all_reduce", next(self._seqs), info,
                         lambda seq, deadline: algorithm(flat, combine, seq, deadline), self.timeout, tensor,

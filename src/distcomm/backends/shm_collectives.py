@@ -327,8 +327,7 @@ class ShmCollectives:
         self.ctl.wait_all(q, deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Combine, seq: int, deadline: Deadline) -> None:
-        if arr.ndim != 1:
-            arr = arr.reshape(-1)
+        arr = _flat(arr)
         if self.size == 1 or arr.size == 0:
             return
         if arr.nbytes <= self.small_bytes:
@@ -350,14 +349,13 @@ class ShmCollectives:
         into = getattr(combine, "into", None)
         if into is not None:
             into(small[0][used[0]], small[1][used[1]], arr)
-            if self.size > 2:
-                for j in range(2, self.size):
-                    combine(arr, small[j][used[j]])
+            for j in range(2, self.size):
+                combine(arr, small[j][used[j]])
         else:
             arr[...] = small[0][used[0]]
             for j in range(1, self.size):
                 combine(arr, small[j][used[j]])
-        self._free_at[used[me]] = q + 1  # _read_until, inline
+        self._read_until(used[me], q)
 
     def _small_views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
         """Every slot's first ``count`` elements of ``dtype`` (the last answer is kept:

@@ -33,7 +33,7 @@ import numpy as np
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
 
-__all__ = ["Control", "control_bytes", "cpu_count", "futex_wait", "futex_wake", "HAVE_FUTEX", "wait_budget"]
+__all__ = ["Control", "control_bytes", "futex_wait", "futex_wake", "HAVE_FUTEX", "wait_budget"]
 
 LINE = 64
 #: Longest single sleep (s): bounds a lost wake-up and the time to notice a dead peer.
@@ -73,8 +73,7 @@ def control_bytes(size: int) -> int:
     return LINE * (1 + asleep_lines + size)
 
 
-def cpu_count() -> int:
-    """CPUs this process may run on."""
+def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -94,7 +93,7 @@ def wait_budget(local_ranks: int) -> tuple[float, float]:
     """(spin, yield) seconds of a wait before it sleeps, for ``local_ranks`` ranks on
     this machine: with more ranks than CPUs, no spinning and a short yield, so that a
     descheduled peer gets the CPU."""
-    if local_ranks > cpu_count():
+    if local_ranks > _cpus():
         return 0.0, 0.0002
     raw = os.environ.get("DISTCOMM_SHM_SPIN_US", "").strip()
     try:
