@@ -241,6 +241,12 @@ class ProcessGroup:
             work.wait()
         return work
 
+    def _claim_plain(self) -> bool:
+        """Claim the executor for a blocking call in the caller's thread when the group is
+        usable, idle and not checking arguments (DETAIL): a lean lane then goes straight to
+        :meth:`_run_claimed`; otherwise the call takes :meth:`_submit`."""
+        return self._detail is None and self._broken is None and not self._closed and self._serial.enter_inline()
+
     def _run_claimed(self, op: str, seq: int, info: Any, run: Runner, seconds: float,
                      result: Any = None) -> Work:
         """Run ``run(seq, deadline)`` now, in the caller's thread, which claimed the

@@ -165,21 +165,20 @@ class ChannelProcessGroup(ProcessGroup):
         return self._submit("broadcast", run, async_op, tensor, (ref.shape, ref.dtype, root, None, None))
 
     def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Work:
-        if not async_op and type(tensor) is np.ndarray and self._detail is None:
+        if not async_op and type(tensor) is np.ndarray:
             # the lean lane of the most common small call: a plain contiguous writable NumPy
             # array of a native dtype, an op with nothing to finalize, the group idle (what
             # as_array and _submit check, without the objects they make: about half of the
             # call here); anything else, bad input included, takes the ordinary path
             name = native_dtype_name(tensor.dtype)
             flags = tensor.flags
-            if (name is not None and flags.c_contiguous and flags.writeable
-                    and self._broken is None and not self._closed):
+            if name is not None and flags.c_contiguous and flags.writeable:
                 checked, combine = op_combiner(op, name)  # a bad op raises here, as below
                 flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
                 algorithm = self.algorithms.allreduce
                 info = (tensor.shape, name, None, checked, None)
                 # (then straight into _run_claimed, which releases the claim)
-                if checked.name not in FINALIZED and self._serial.enter_inline():
+                if checked.name not in FINALIZED and self._claim_plain():
                     return self._run_claimed(
                         "all_reduce", next(self._seqs), info,
                         lambda seq, deadline: algorithm(flat, combine, seq, deadline), self.timeout, tensor,

@@ -266,12 +266,18 @@ class MpiCollectives:
             except self.MPI.Exception as e:
                 raise mpi_error(what, e) from None
             return
-        what = _nonblocking_name(what)
-        req = self.rt.call(what, start, *args)
+        rt = self.rt
+        if rt.multiple:  # no lock to take: one call less on every small collective
+            try:
+                req = start(*args)
+            except self.MPI.Exception as e:
+                raise mpi_error(_nonblocking_name(what)(), e) from None
+        else:
+            req = rt.call(_nonblocking_name(what)(), start, *args)
         try:
-            wait_request(self.rt, req, deadline, self._get_failed, functools.partial(str, what))
+            wait_request(rt, req, deadline, self._get_failed, _nonblocking_name(what))
         except BaseException:
-            self.rt.orphan(req)  # MPI may still complete it: keep it and its buffers alive
+            rt.orphan(req)  # MPI may still complete it: keep it and its buffers alive
             raise
 
     def _get_failed(self) -> BaseException | None:
@@ -346,9 +352,9 @@ class MpiCollectives:
 
 
 @functools.cache
-def _nonblocking_name(name: str) -> str:
-    """``MPI_Allreduce`` -> ``MPI_Iallreduce``."""
-    return f"MPI_I{name[4:].lower()}"
+def _nonblocking_name(name: str) -> Callable[[], str]:
+    """``MPI_Allreduce`` -> a callable returning ``MPI_Iallreduce`` (as :func:`wait_request` takes it)."""
+    return functools.partial(str, f"MPI_I{name[4:].lower()}")
 
 
 def _displs(counts: Sequence[int]) -> list[int]:
@@ -390,13 +396,16 @@ class MpiProcessGroup(ChannelProcessGroup):
             flags = tensor.flags
             if plan[1] is not None and flags.c_contiguous and flags.writeable:
                 _, name, checked, view_dtype, mpi_type, mpi_op = plan
-                buf = [tensor if view_dtype == tensor.dtype else tensor.view(view_dtype), mpi_type]
+                buf = [tensor if view_dtype is tensor.dtype else tensor.view(view_dtype), mpi_type]
                 go, comm, in_place, nbytes = self.collectives._go, self.comm, self.rt.MPI.IN_PLACE, tensor.nbytes
 
                 def run(seq: int, deadline: Deadline) -> None:
                     go("MPI_Allreduce", nbytes, comm.Allreduce, comm.Iallreduce, deadline, in_place, buf, mpi_op)
 
-                return self._submit("all_reduce", run, async_op, tensor, (tensor.shape, name, None, checked, None))
+                info = (tensor.shape, name, None, checked, None)
+                if not async_op and self._claim_plain():  # (_run_claimed releases the claim)
+                    return self._run_claimed("all_reduce", next(self._seqs), info, run, self.timeout, tensor)
+                return self._submit("all_reduce", run, async_op, tensor, info)
         return super().allreduce(tensor, op, async_op)
 
     def _plan(self, arr: np.ndarray, op: Any) -> tuple[Any, ...]:

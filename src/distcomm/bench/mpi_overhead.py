@@ -8,9 +8,11 @@
 The main process starts ``mpirun --oversubscribe -n N python -m
 distcomm.bench.mpi_overhead OUT.json CONFIG``.  Every rank initialises
 ``init_process_group("mpi")`` and duplicates ``MPI_COMM_WORLD`` for the raw
-calls, then, per size, alternates timed blocks of ``dist.all_reduce(a)``
-and ``comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM)`` (float32, the order
-swapped every round) so that both see the same load.  Each block runs
+calls, then, per size, alternates timed blocks of ``dist.all_reduce(a)``,
+``comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM)`` and, for reference, MPI's
+non-blocking form as distcomm makes it below 64 KiB (``Iallreduce`` then
+``Test`` until done; float32, the order rotated every round) so that all
+see the same load.  Each block runs
 enough calls to last about ``--block-seconds``; rank 0's clock times the
 block and each call in it (every all-reduce synchronises the ranks).
 Reported per size and library: the median over blocks of the median call
@@ -18,7 +20,9 @@ Reported per size and library: the median over blocks of the median call
 judged on, since on a shared machine a block's mean also counts the times
 another process took a rank's CPU) and of the block's mean call; and for
 each, the median over rounds of the ratio of adjacent blocks (distcomm /
-mpi4py).  After timing, each size checks that distcomm's result is the sum.
+mpi4py), and the same ratio of the non-blocking form (how much of
+distcomm's ratio MPI's own non-blocking call already costs).  After
+timing, each size checks that distcomm's result is the sum.
 """
 
 from __future__ import annotations
@@ -66,14 +70,20 @@ def _calls_for(fn: Any, seconds: float, comm: Any) -> int:
     return int(comm.bcast(max(3, min(50_000, round(seconds / max(per, 1e-9)))), root=0))
 
 
+#: The timed calls: distcomm's, mpi4py's blocking one, mpi4py's non-blocking one (reference).
+LIBRARIES = ("distcomm", "mpi4py", "mpi4py_nb")
+
+
 def _summary(blocks: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
     """Per library the median over blocks of (mean, median) seconds per call; the ratios
-    distcomm / mpi4py of adjacent blocks, their median."""
+    distcomm / mpi4py (``ratio_*``) and non-blocking mpi4py / mpi4py (``nb_ratio_*``) of
+    adjacent blocks, their median."""
     out: dict[str, Any] = {"blocks": blocks}
     for k, (i, label) in {"mean": (0, "mean"), "median": (1, "median")}.items():
         out[k] = {lib: statistics.median(b[i] for b in v) for lib, v in blocks.items()}
-        out[f"ratio_{label}"] = statistics.median(
-            d[i] / r[i] for d, r in zip(blocks["distcomm"], blocks["mpi4py"], strict=True))
+        for prefix, lib in (("ratio", "distcomm"), ("nb_ratio", "mpi4py_nb")):
+            out[f"{prefix}_{label}"] = statistics.median(
+                d[i] / r[i] for d, r in zip(blocks[lib], blocks["mpi4py"], strict=True))
     return out
 
 
@@ -99,15 +109,19 @@ def _rank_main(out_path: str, config: dict[str, Any]) -> None:
             def raw_call(b: np.ndarray = b) -> None:
                 comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM)
 
-            calls = max(_calls_for(distcomm_call, config["block_seconds"], comm),
-                        _calls_for(raw_call, config["block_seconds"], comm))
-            blocks: dict[str, list[tuple[float, float]]] = {"distcomm": [], "mpi4py": []}
+            def raw_nb_call(b: np.ndarray = b) -> None:
+                req = comm.Iallreduce(MPI.IN_PLACE, b, MPI.SUM)
+                while not req.Test():
+                    pass
+
+            fns = (distcomm_call, raw_call, raw_nb_call)
+            calls = max(_calls_for(fn, config["block_seconds"], comm) for fn in fns)
+            blocks: dict[str, list[tuple[float, float]]] = {lib: [] for lib in LIBRARIES}
             clock = time.perf_counter
             for rnd in range(config["repeat"]):
-                order = [("distcomm", distcomm_call), ("mpi4py", raw_call)]
-                if rnd % 2:
-                    order.reverse()
-                for name, fn in order:
+                k = rnd % len(fns)
+                order = list(zip(LIBRARIES, fns, strict=True))
+                for name, fn in order[k:] + order[:k]:
                     each = [0.0] * calls
                     comm.Barrier()
                     t0 = clock()
@@ -174,15 +188,17 @@ def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seco
 def format_results(results: dict[str, Any]) -> str:
     lines = [f"all_reduce (float32, SUM) on backend 'mpi' against raw mpi4py, {results['nproc']} ranks, "
              f"DISTCOMM_MPI_COLLECTIVES={results['mode']}; {results['mpi_library']}",
-             f"{'':>10} {'median call':^29} {'mean call':^29}",
-             f"{'size':>10} {'distcomm':>10} {'mpi4py':>10} {'ratio':>7} {'distcomm':>10} {'mpi4py':>10} "
-             f"{'ratio':>7}  calls/block"]
+             f"{'':>10} {'median call':^48} {'mean call':^29}",
+             f"{'size':>10} {'distcomm':>10} {'mpi4py':>10} {'ratio':>7} {'mpi4py I':>10} {'ratio':>7} "
+             f"{'distcomm':>10} {'mpi4py':>10} {'ratio':>7}  calls/block"]
     for s in results["sizes"]:
         med, mean = s["median"], s["mean"]
         lines.append(f"{size_text(s['bytes']):>10} {time_text(med['distcomm']):>10} {time_text(med['mpi4py']):>10} "
-                     f"{s['ratio_median']:>7.2f} {time_text(mean['distcomm']):>10} {time_text(mean['mpi4py']):>10} "
+                     f"{s['ratio_median']:>7.2f} {time_text(med['mpi4py_nb']):>10} {s['nb_ratio_median']:>7.2f} "
+                     f"{time_text(mean['distcomm']):>10} {time_text(mean['mpi4py']):>10} "
                      f"{s['ratio_mean']:>7.2f}  {s['calls_per_block']}" + ("" if s["correct"] else "  WRONG RESULT"))
-    lines.append(f"ratio: median over {results['repeat']} rounds of adjacent blocks, distcomm / mpi4py; "
+    lines.append(f"ratio: median over {results['repeat']} rounds of adjacent blocks, distcomm (or 'mpi4py I': "
+                 f"Iallreduce + Test until done, for reference) / mpi4py's Allreduce; "
                  f"target <= {TARGET_RATIO} (median call) at " + " and ".join(size_text(b) for b in TARGET_SIZES))
     checked = {s["bytes"]: s["ratio_median"] for s in results["sizes"] if s["bytes"] in TARGET_SIZES}
     if checked:
