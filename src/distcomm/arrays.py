@@ -17,6 +17,7 @@ when ml_dtypes is importable and :data:`USE_ML_DTYPES` is true, otherwise as
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "USE_ML_DTYPES",
     "as_array",
     "bfloat16_dtype",
+    "data_address",
     "native_dtype_name",
     "check_same",
     "empty_like_ref",
@@ -71,6 +73,19 @@ def bfloat16_dtype() -> np.dtype | None:
         else:
             _bf16 = np.dtype(ml_dtypes.bfloat16)
     return None if _bf16 is _BF16_MISSING else _bf16
+
+
+def data_address(arr: np.ndarray) -> int:
+    """The address of ``arr``'s first byte.
+
+    A writable contiguous array's through ctypes (about 0.8 us here), anything
+    else's through ``__array_interface__`` (about 3 us: NumPy builds the whole
+    interface dict for it).
+    """
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(arr))
+    except (TypeError, ValueError, BufferError):  # read-only, empty or not contiguous
+        return int(arr.__array_interface__["data"][0])
 
 
 def native_dtype_name(dtype: np.dtype) -> str | None:

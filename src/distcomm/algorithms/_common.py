@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistInputError, DistTypeError
 from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
@@ -140,7 +141,7 @@ def as_bytes(arr: np.ndarray) -> memoryview:
 def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether ``a`` and ``b`` are the very same bytes (in-place arguments)."""
     return a.nbytes == b.nbytes and (
-        a.nbytes == 0 or a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        a.nbytes == 0 or data_address(a) == data_address(b)
     )
 
 

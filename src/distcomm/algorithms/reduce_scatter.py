@@ -21,6 +21,7 @@ from ._common import (
     eager_count,
     offsets,
     ring_pass,
+    same_memory,
     scratch_for,
     seg_elems,
     send_all,
@@ -98,7 +99,7 @@ def direct_reduce_scatter(
             f"output must hold {counts[r]} elements of {inp.dtype}, got {out.size} of {out.dtype}"
         )
     mine = inp[off[r] : off[r + 1]]
-    if out.nbytes and not (out.__array_interface__["data"][0] == mine.__array_interface__["data"][0]):
+    if not same_memory(out, mine):
         np.copyto(out, mine)
     if n == 1:
         return

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms as algo
-from ..arrays import ArrayRef, as_array, native_dtype_name
+from ..arrays import ArrayRef, as_array, data_address, native_dtype_name
 from ..deadline import Deadline, to_seconds
 from ..debug import recorder as _rec
 from ..errors import DistInputError, DistTimeoutError, DistTypeError
@@ -175,13 +175,13 @@ class ChannelProcessGroup(ProcessGroup):
             if name is not None and flags.c_contiguous and flags.writeable:
                 checked, combine = op_combiner(op, name)  # a bad op raises here, as below
                 flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
-                algorithm = self.algorithms.allreduce
                 info = (tensor.shape, name, None, checked, None)
                 # (then straight into _run_claimed, which releases the claim)
                 if checked.name not in FINALIZED and self._claim_plain():
                     return self._run_claimed(
                         "all_reduce", next(self._seqs), info,
-                        lambda seq, deadline: algorithm(flat, combine, seq, deadline), self.timeout, tensor,
+                        lambda seq, deadline: self.algorithms.allreduce(flat, combine, seq, deadline),
+                        self.timeout, tensor,
                     )
         ref = self._ref(tensor, "tensor")
         op, combine = op_combiner(op, ref.dtype)
@@ -498,10 +498,9 @@ class _RequestWork(Work):
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether ``a`` and ``b`` are the same bytes (the address is looked up only when
-    their bounds overlap: ``__array_interface__`` costs 3 us, the bounds check 0.8 us)."""
-    return (a.nbytes == b.nbytes and np.may_share_memory(a, b)
-            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+    """Whether ``a`` and ``b`` are the same bytes (the addresses are looked up only when
+    their bounds overlap)."""
+    return a.nbytes == b.nbytes and np.may_share_memory(a, b) and data_address(a) == data_address(b)
 
 
 def _overlaps(a: np.ndarray, b: np.ndarray) -> bool:

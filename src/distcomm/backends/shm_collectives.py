@@ -73,6 +73,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..algorithms._common import offsets
+from ..arrays import data_address
 from ..deadline import Deadline
 from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
@@ -102,10 +103,6 @@ def _bounds(count: int, n: int, i: int) -> tuple[int, int]:
 
 def _flat(arr: np.ndarray) -> np.ndarray:
     return arr if arr.ndim == 1 else arr.reshape(-1)
-
-
-def _address(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
 
 
 class _Sources:
@@ -190,7 +187,7 @@ class ShmCollectives:
         self._scratch = np.empty(_PIECE_BYTES, np.uint8)
         if heaps is not None:
             mine = heaps[self.rank]
-            self._heap_base = mine.__array_interface__["data"][0]
+            self._heap_base = data_address(mine)
             self._heap_len = mine.size
 
     # -- phase machinery ----------------------------------------------------------------
@@ -249,13 +246,13 @@ class ShmCollectives:
         """Offset of ``arr`` in this rank's heap, -1 if it is not (all) there."""
         if self.heaps is None:
             return -1
-        off = _address(arr) - self._heap_base
+        off = data_address(arr) - self._heap_base
         return off if 0 <= off and off + arr.nbytes <= self._heap_len else -1
 
     def _remote_address(self, arr: np.ndarray, off: int) -> int:
         """``arr``'s address for peers to read it with the reader, or 0 (they will not)."""
         if off < 0 and self.reader is not None and arr.nbytes >= self.remote_bytes:
-            return _address(arr)
+            return data_address(arr)
         return 0
 
     @property
@@ -713,7 +710,7 @@ class ShmCollectives:
             head[0] = left
             if lo == 0 and self.reader is not None:
                 head[2] = even
-                head[3] = _address(send) if even else 0
+                head[3] = data_address(send) if even else 0
             self.ctl.post(q)
             more = left > 0
             for j in others:

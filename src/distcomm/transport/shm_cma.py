@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..arrays import data_address
 from ..errors import DistBackendError
 
 __all__ = ["HAVE_CMA", "PeerReader", "cma_wanted"]
@@ -46,10 +47,6 @@ def cma_wanted() -> bool:
     return HAVE_CMA and os.environ.get("DISTCOMM_SHM_CMA", "1").strip() not in ("0", "false", "no")
 
 
-def _addr(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
-
-
 class PeerReader:
     """Reads byte ranges of peers' memory into local arrays.
 
@@ -68,7 +65,7 @@ class PeerReader:
     def read(self, peer: int, address: int, dest: np.ndarray) -> None:
         """Fill ``dest`` (contiguous) with the ``dest.nbytes`` bytes at ``address`` in ``peer``."""
         total = dest.nbytes
-        base = _addr(dest)
+        base = data_address(dest)
         done = 0
         local, remote = self._local, self._remote
         while done < total:
@@ -101,7 +98,7 @@ def probe_token() -> tuple[np.ndarray, str]:
     """A random token in this process's memory and its description ``address:hex``
     for peers to probe; keep the array alive until every peer has probed."""
     token = np.frombuffer(os.urandom(16), np.uint8).copy()
-    return token, f"{_addr(token)}:{token.tobytes().hex()}"
+    return token, f"{data_address(token)}:{token.tobytes().hex()}"
 
 
 def probe_peer(reader: PeerReader, peer: int, description: str) -> bool:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..arrays import data_address
 from ..errors import DistBackendError, DistInputError
 from .shm_segment import Segment, open_each
 
@@ -166,7 +167,7 @@ class Heap:
     # -- queries ----------------------------------------------------------------------------
     def offset_of(self, arr: np.ndarray) -> int:
         """Where ``arr``'s memory starts in this heap, or -1 if it is not all inside."""
-        off = arr.__array_interface__["data"][0] - self.base
+        off = data_address(arr) - self.base
         return off if 0 <= off and off + arr.nbytes <= self.size else -1
 
     def stats(self) -> dict[str, int]:
