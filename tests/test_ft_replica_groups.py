@@ -217,6 +217,56 @@ def test_bad_replica_group_arguments_are_clear(monkeypatch):
         store.close()
 
 
+class _QuietLighthouse:
+    """What a ReplicaGroupServer needs of its lighthouse connection for votes alone."""
+
+    step = 0
+
+    def close(self, leave: bool = True) -> None:
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_shutting_down_after_the_last_vote_does_not_cut_off_the_other_ranks_answer(monkeypatch):
+    """The server answers rank 0 first; rank 0 then shuts the server down at once, while
+    rank 1's answer is still on its way (sends slowed here): rank 1 still gets its answer."""
+    from distcomm.ft import replica_group as rg
+
+    server = rg.ReplicaGroupServer("127.0.0.1", "r0", 2, _QuietLighthouse())  # type: ignore[arg-type]
+    clients = [rg.ReplicaGroupClient(lambda _t: server.address, "r0", r, 2) for r in range(2)]
+    real_send = rg._send
+
+    def slow_send(sock, lock, msg):
+        ok = real_send(sock, lock, msg)
+        if msg.get("op") == "decision":
+            time.sleep(0.2)  # rank 0 (answered first) closes the server meanwhile
+        return ok
+
+    monkeypatch.setattr(rg, "_send", slow_send)
+    answers: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        try:
+            answers[r] = clients[r].agree(True, 1, timeout=10)
+        except Exception as e:  # noqa: BLE001 - reported below
+            answers[r] = e
+        if r == 0:
+            server.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.05)  # rank 0 votes last: its server thread answers rank 0 first
+        for t in threads:
+            t.join(20)
+        assert answers == {0: True, 1: True}
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
 @pytest.mark.timeout(150)
 def test_chaos_with_replica_groups_bounded():
     """examples/chaos.py with 2 replicas of 2 ranks (state sharded over them): a random rank is

@@ -110,6 +110,10 @@ class ReplicaGroupServer:
         self.world_size = world_size
         self.lighthouse = lighthouse
         self._lock = threading.Lock()
+        #: Held while a message goes to the ranks, so that ``close``'s "closing" never overtakes
+        #: an answer on its way (rank 0, answered first, may shut down while the others'
+        #: answers are still being sent).
+        self._sending = threading.RLock()
         self._ranks: dict[int, _Rank] = {}
         self._requests: dict[int, dict[int, dict]] = {}
         self._votes: dict[int, dict[int, dict]] = {}
@@ -253,16 +257,18 @@ class ReplicaGroupServer:
 
     # -- messages --------------------------------------------------------------------------
     def _reply(self, rank: int, msg: dict) -> None:
-        with self._lock:
-            r = self._ranks.get(rank)
-        if r is not None:
-            _send(r.sock, r.lock, msg)
+        with self._sending:
+            with self._lock:
+                r = self._ranks.get(rank)
+            if r is not None:
+                _send(r.sock, r.lock, msg)
 
     def _to_all(self, msg: dict) -> None:
-        with self._lock:
-            ranks = list(self._ranks.values())
-        for r in ranks:
-            _send(r.sock, r.lock, msg)
+        with self._sending:
+            with self._lock:
+                ranks = list(self._ranks.values())
+            for r in ranks:
+                _send(r.sock, r.lock, msg)
 
     def member_failed(self, note: dict) -> None:
         """The lighthouse's notice that a member of the quorum failed: every rank aborts its group."""
@@ -290,18 +296,19 @@ class ReplicaGroupServer:
 
     def close(self) -> None:
         """Stop serving; say goodbye to the lighthouse (unless the group broke)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            ranks = list(self._ranks.values())
-            broken = self._broken is not None
-        for r in ranks:
-            _send(r.sock, r.lock, {"op": "closing"})
-            try:
-                r.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self._sending:  # after any answer being sent (see _sending)
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                ranks = list(self._ranks.values())
+                broken = self._broken is not None
+            for r in ranks:
+                _send(r.sock, r.lock, {"op": "closing"})
+                try:
+                    r.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         self._sock.close()
         self._work.put(None)
         self.lighthouse.close(leave=not broken)
