@@ -501,3 +501,18 @@ def test_view_round_trips_bytes(x):
     assert ref.bytes().tobytes() == x.tobytes()
     assert ref.dtype == x.dtype.name and ref.shape == x.shape
     assert np.array_equal(ref.reshape_like(ref.array), x, equal_nan=x.dtype.kind in "fc")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.arange(10.0),
+    lambda: np.arange(10.0)[3:],
+    lambda: np.ones((4, 4), np.int16)[1:],
+    lambda: np.ones((4, 4)).T,  # not C-contiguous
+    lambda: np.arange(10.0)[::2],  # strided
+    lambda: np.arange(10.0)[::-1],  # negative stride
+    lambda: np.ones(0),  # empty
+    lambda: np.frombuffer(b"abcdefgh", np.uint8)[2:],  # read-only
+])
+def test_data_address_is_the_first_byte(make):
+    arr = make()
+    assert arrays.data_address(arr) == arr.__array_interface__["data"][0]
