@@ -23,9 +23,12 @@ if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is im
         default_pg_timeout,
         destroy_process_group,
         get_backend,
+        get_backend_config,
+        get_default_backend_for_device,
         get_global_rank,
         get_group_rank,
         get_node_local_rank,
+        get_pg_count,
         get_process_group_ranks,
         get_rank,
         get_world_size,
@@ -70,8 +73,10 @@ if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is im
         scatter,
         send,
     )
+    from .debug.breakpoint import breakpoint
     from .debug.flight_recorder import dump_flight_recorder
     from .debug.levels import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
+    from .device_mesh import DeviceMesh, init_device_mesh
     from .errors import (
         DistBackendError,
         DistDesyncError,
@@ -93,7 +98,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is im
         send_object_list,
         set_object_unpickler,
     )
-    from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum  # noqa: F401 - torch's private name
+    from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum, supports_complex  # noqa: F401 - torch's private name
     from .shared_arrays import empty, zeros
     from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
     from .store.rendezvous import register_rendezvous_handler, rendezvous
@@ -111,21 +116,23 @@ _WHERE: dict[str, str] = {
          "is_available is_initialized new_group new_subgroups new_subgroups_by_enumeration "
          "split_group get_node_local_rank is_backend_available is_gloo_available "
          "is_mpi_available is_nccl_available is_torchelastic_launched is_ucc_available "
-         "is_xccl_available"),
+         "is_xccl_available get_pg_count get_backend_config get_default_backend_for_device"),
         (".backend_registry", "Backend"),
         (".collectives", "P2POp all_gather all_gather_coalesced all_reduce_coalesced all_gather_into_tensor all_gather_single all_reduce all_to_all "
          "all_to_all_single barrier batch_isend_irecv broadcast gather irecv isend "
          "monitored_barrier recv reduce reduce_scatter reduce_scatter_single "
          "reduce_scatter_tensor scatter send"),
+        (".debug.breakpoint", "breakpoint"),
         (".debug.flight_recorder", "dump_flight_recorder"),
         (".debug.levels", "DebugLevel get_debug_level set_debug_level set_debug_level_from_env"),
+        (".device_mesh", "DeviceMesh init_device_mesh"),
         (".errors", "DistBackendError DistDesyncError DistError DistInputError DistNetworkError "
          "DistStoreError DistTimeoutError DistTypeError"),
         (".group", "ProcessGroup"),
         (".launch.spawn", "spawn"),
         (".object_collectives", "all_gather_object broadcast_object_list gather_object recv_object_list "
          "scatter_object_list send_object_list set_object_unpickler"),
-        (".reduce_op", "ReduceOp _make_nccl_premul_sum make_premul_sum"),
+        (".reduce_op", "ReduceOp _make_nccl_premul_sum make_premul_sum supports_complex"),
         (".shared_arrays", "empty zeros"),
         (".store", "FileStore HashStore PrefixStore Store TCPStore"),
         (".store.rendezvous", "register_rendezvous_handler rendezvous"),
@@ -173,6 +180,7 @@ __all__ = [
     "is_xccl_available",
     "Backend",
     "DebugLevel",
+    "DeviceMesh",
     "DistBackendError",
     "DistDesyncError",
     "DistError",
@@ -200,6 +208,7 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
+    "breakpoint",
     "broadcast",
     "broadcast_object_list",
     "default_pg_timeout",
@@ -210,12 +219,16 @@ __all__ = [
     "gather",
     "gather_object",
     "get_backend",
+    "get_backend_config",
     "get_debug_level",
+    "get_default_backend_for_device",
     "get_global_rank",
     "get_group_rank",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
+    "init_device_mesh",
     "init_process_group",
     "irecv",
     "is_available",
@@ -243,6 +256,7 @@ __all__ = [
     "set_debug_level_from_env",
     "spawn",
     "split_group",
+    "supports_complex",
     "zeros",
     "__version__",
 ]

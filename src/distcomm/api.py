@@ -50,6 +50,9 @@ __all__ = [
     "is_xccl_available",
     "is_torchelastic_launched",
     "get_node_local_rank",
+    "get_pg_count",
+    "get_backend_config",
+    "get_default_backend_for_device",
 ]
 
 #: Default timeout of a process group, as torch's gloo default.
@@ -332,6 +335,33 @@ def get_backend(group: ProcessGroup | None = None) -> str:
     if not _is_member(group):
         raise DistInputError("this process is not a member of the group")
     return Backend(_group(group).backend_name)
+
+
+def get_backend_config(group: ProcessGroup | None = None) -> str:
+    """``group``'s backend per device, as torch writes it (``"cpu:shm"``): distcomm runs
+    every group on the CPU."""
+    return f"cpu:{get_backend(group)}"
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    """The backend ``init_process_group()`` picks for ``device`` (``"cpu"`` or a CPU torch
+    device): distcomm's default, ``"auto"``."""
+    name = getattr(device, "type", device)
+    if not isinstance(name, str):
+        raise DistTypeError(f"device must be a str such as 'cpu' or a torch.device, got {type(device).__name__}")
+    if name.split(":", 1)[0] != "cpu":
+        raise DistInputError(f"device {name!r} has no distcomm backend: distcomm runs on the CPU ('cpu')")
+    return Backend(DEFAULT_BACKEND)
+
+
+def get_pg_count() -> int:
+    """How many process groups this process holds (the default group included; 0 before
+    ``init_process_group``)."""
+    world = _world
+    if world is None:
+        return 0
+    with world.lock:
+        return len(world.groups)
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:

@@ -40,6 +40,7 @@ __all__ = [
     "finalize",
     "make_premul_sum",
     "op_combiner",
+    "supports_complex",
     "_make_nccl_premul_sum",
     "reduce_arrays",
 ]
@@ -208,6 +209,20 @@ def check_op(op: Any, dtype_name: str, what: str = "op") -> ReduceOp:
     else:
         return op
     raise DistInputError(f"ReduceOp.{name} is not defined for {dtype_name}; it needs {need}")
+
+
+def supports_complex(reduceOp: Any) -> bool:
+    """Whether ``reduceOp`` is defined on complex arrays (as :func:`check_op` decides: all
+    but MIN, MAX and the bitwise ops; distcomm multiplies complex numbers too, where
+    torch's answer for PRODUCT is no)."""
+    op = as_reduce_op(reduceOp, "reduceOp")
+    if op.name == "PREMUL_SUM":  # a sum, whatever its (possibly still unset) factor
+        return True
+    try:
+        check_op(op, "complex64")
+    except DistInputError:
+        return False
+    return True
 
 
 _UFUNCS = {
