@@ -35,7 +35,7 @@ def _mesh_rank(rank: int, world_size: int, backend: str, port: int, shape: tuple
     init(rank, world_size, backend, port)
     bad: list[str] = []
     groups_before = dist.get_pg_count()
-    mesh = dist.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    mesh = dist.init_device_mesh("cpu", (np.int64(shape[0]), shape[1]), mesh_dim_names=("dp", "tp"))
     layout = np.arange(world_size).reshape(shape)
     row, col = divmod(rank, shape[1])
     if mesh.mesh.tolist() != layout.tolist() or mesh.shape != shape or mesh.ndim != 2:

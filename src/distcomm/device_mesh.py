@@ -21,6 +21,7 @@ ranks.  Ranks outside the mesh may create it too: their
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -327,13 +328,14 @@ def init_device_mesh(device_type: Any, mesh_shape: Sequence[int], *,
     the job has.
     """
     _device_type(device_type)
-    if isinstance(mesh_shape, int):
+    if isinstance(mesh_shape, numbers.Integral):
         mesh_shape = (mesh_shape,)
     if isinstance(mesh_shape, (str, bytes)) or not isinstance(mesh_shape, Sequence) or not mesh_shape:
         raise DistTypeError(f"mesh_shape must be a tuple of positive ints, got {mesh_shape!r:.60}")
     for s in mesh_shape:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
             raise DistInputError(f"mesh_shape must be a tuple of positive ints, got {tuple(mesh_shape)}")
+    mesh_shape = tuple(int(s) for s in mesh_shape)
     _dim_names(mesh_dim_names, len(mesh_shape))
     if not api.is_initialized():
         api.init_process_group()
@@ -343,5 +345,5 @@ def init_device_mesh(device_type: Any, mesh_shape: Sequence[int], *,
         raise DistInputError(
             f"mesh_shape {tuple(mesh_shape)} needs {total} ranks but the job has {world.size}"
         )
-    ranks = np.arange(total).reshape(tuple(mesh_shape))
+    ranks = np.arange(total).reshape(mesh_shape)
     return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, backend_override=backend_override)
