@@ -23,6 +23,7 @@ from distcomm.errors import (
     DistStoreValueError,
     DistTimeoutError,
     DistTypeError,
+    QueueEmptyError,
 )
 
 ALL = [getattr(errors, name) for name in errors.__all__]
@@ -42,6 +43,7 @@ ANCESTRY = {
     DistInputError: [DistError, ValueError],
     DistRendezvousError: [DistInputError, ValueError],
     DistTypeError: [DistError, TypeError],
+    QueueEmptyError: [DistStoreError, DistError, RuntimeError],
 }
 
 

@@ -86,6 +86,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is im
         DistStoreError,
         DistTimeoutError,
         DistTypeError,
+        QueueEmptyError,
     )
     from .group import ProcessGroup
     from .launch.spawn import spawn
@@ -127,7 +128,7 @@ _WHERE: dict[str, str] = {
         (".debug.levels", "DebugLevel get_debug_level set_debug_level set_debug_level_from_env"),
         (".device_mesh", "DeviceMesh init_device_mesh"),
         (".errors", "DistBackendError DistDesyncError DistError DistInputError DistNetworkError "
-         "DistStoreError DistTimeoutError DistTypeError"),
+         "DistStoreError DistTimeoutError DistTypeError QueueEmptyError"),
         (".group", "ProcessGroup"),
         (".launch.spawn", "spawn"),
         (".object_collectives", "all_gather_object broadcast_object_list gather_object recv_object_list "
@@ -194,6 +195,7 @@ __all__ = [
     "HashStore",
     "P2POp",
     "PrefixStore",
+    "QueueEmptyError",
     "ProcessGroup",
     "ReduceOp",
     "Store",

@@ -328,14 +328,15 @@ def init_device_mesh(device_type: Any, mesh_shape: Sequence[int], *,
     the job has.
     """
     _device_type(device_type)
-    if isinstance(mesh_shape, numbers.Integral):
-        mesh_shape = (mesh_shape,)
-    if isinstance(mesh_shape, (str, bytes)) or not isinstance(mesh_shape, Sequence) or not mesh_shape:
-        raise DistTypeError(f"mesh_shape must be a tuple of positive ints, got {mesh_shape!r:.60}")
-    for s in mesh_shape:
+    given: Any = mesh_shape
+    if isinstance(given, numbers.Integral):
+        given = (given,)
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or not given:
+        raise DistTypeError(f"mesh_shape must be a tuple of positive ints, got {given!r:.60}")
+    for s in given:
         if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
-            raise DistInputError(f"mesh_shape must be a tuple of positive ints, got {tuple(mesh_shape)}")
-    mesh_shape = tuple(int(s) for s in mesh_shape)
+            raise DistInputError(f"mesh_shape must be a tuple of positive ints, got {tuple(given)}")
+    mesh_shape = tuple(int(s) for s in given)
     _dim_names(mesh_dim_names, len(mesh_shape))
     if not api.is_initialized():
         api.init_process_group()

@@ -7,7 +7,8 @@ working for code that does not know distcomm::
     DistError (RuntimeError)
     ├── DistStoreError                       a key-value store refused or failed an operation
     │   ├── DistStoreTimeoutError            (+ DistTimeoutError) a get/wait ran out of time
-    │   └── DistStoreValueError              (+ ValueError) e.g. ``add`` on a non-integer value
+    │   ├── DistStoreValueError              (+ ValueError) e.g. ``add`` on a non-integer value
+    │   └── QueueEmptyError                  ``queue_pop(key, block=False)`` on an empty queue
     ├── DistNetworkError (ConnectionError)   a socket could not connect, or broke
     │   ├── DistConnectTimeoutError          (+ DistTimeoutError) no connection before the deadline
     │   └── DistProtocolError                the peer spoke garbage or another protocol version
@@ -31,6 +32,7 @@ __all__ = [
     "DistStoreError",
     "DistStoreTimeoutError",
     "DistStoreValueError",
+    "QueueEmptyError",
     "DistNetworkError",
     "DistConnectTimeoutError",
     "DistProtocolError",
@@ -96,6 +98,10 @@ class DistStoreTimeoutError(DistStoreError, DistTimeoutError):
 
 class DistStoreValueError(DistStoreError, ValueError):
     """A store holds a value the operation cannot use (``add`` on non-integer bytes)."""
+
+
+class QueueEmptyError(DistStoreError):
+    """``queue_pop(key, block=False)`` found the queue empty (torch's ``DistQueueEmptyError``)."""
 
 
 class DistNetworkError(DistError, ConnectionError):

@@ -12,17 +12,47 @@ underscore methods a concrete store implements with clean types:
 
 Semantics shared by all stores (one place, :func:`apply_add` and
 :func:`apply_compare_set`) keep them behaving the same.
+
+Queues and barriers (torch's extended API) are written here once, on the
+atomic primitives every store has (``add``, ``compare_set``, ``get``,
+``wait``, ``delete_key``), under internal keys that ``num_keys`` and
+``list_keys`` do not count.  Queue ``q`` keeps, under
+``__distcomm__/queue/q/``:
+
+* ``tail``: how many slots pushers have taken (``add``); a push takes slot
+  ``n = add(tail, 1)`` and writes ``item/<n>`` with ``compare_set`` (created
+  only if missing), the value preceded by one byte ``v``;
+* ``head``: how many slots poppers have claimed.  A pop claims slot
+  ``n = add(head, 1)``, so no other popper gets it, reads ``item/<n>`` (a
+  blocking ``get``: it waits in the store, without spinning, up to the
+  timeout), deletes it and returns the value.  A pop that times out gives
+  its slot back: it undoes its claim (``compare_set(head, n, n - 1)``) if
+  no later claim was made, else it marks the slot abandoned (``x``, with
+  ``compare_set``, which also tells it whether an item arrived after all);
+  the pusher of an abandoned slot deletes the mark and takes a new slot.
+  A non-blocking pop claims only when ``tail - head > 0``.
+
+``queue_len`` is ``tail - head`` (at least 0); ``head`` and ``tail`` stay
+after the queue empties (two small keys per queue name).
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Union
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
-from ..errors import DistInputError, DistStoreTimeoutError, DistStoreValueError, DistTypeError
+from ..errors import (
+    DistInputError,
+    DistStoreError,
+    DistStoreTimeoutError,
+    DistStoreValueError,
+    DistTypeError,
+    QueueEmptyError,
+)
 
 __all__ = ["Store", "Value", "MAX_KEY_BYTES", "INTERNAL_PREFIX"]
 
@@ -33,6 +63,15 @@ MAX_KEY_BYTES = 8192
 #: Keys distcomm itself uses start with this; ``num_keys`` does not count them.
 INTERNAL_PREFIX = "__distcomm__/"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Where queues (:meth:`Store.queue_push`) and barriers (:meth:`Store.barrier`) keep their keys.
+QUEUE_PREFIX = INTERNAL_PREFIX + "queue/"
+BARRIER_PREFIX = INTERNAL_PREFIX + "barrier/"
+# The longest name a queue or barrier adds after its own prefix: "item/" and a slot number.
+_SUFFIX_BYTES = len("item/") + len(str(INT64_MAX))
+# A queue slot holds _ITEM + value, or _ABANDONED once its popper gave it up.
+_ITEM, _ABANDONED = b"v", b"x"
+# compare_set(key, _ABSENT, _ABSENT) reads a counter without creating it (no counter holds this).
+_ABSENT = b"\0absent"
 
 
 def check_key(key: object) -> str:
@@ -136,6 +175,22 @@ def apply_compare_set(
     if current == expected:
         return desired, desired
     return None, current
+
+
+def namespace(prefix: str, key: str, what: str) -> str:
+    """The internal prefix of queue or barrier ``key``: ``prefix + key + "/"``.
+
+    Raises a one-line DistInputError if the keys under it would be too long.
+    """
+    name = prefix + key + "/"
+    size = len(name.encode())
+    if size + _SUFFIX_BYTES > MAX_KEY_BYTES:
+        most = MAX_KEY_BYTES - _SUFFIX_BYTES - (size - len(key.encode()))
+        raise DistInputError(
+            f"store {what} key is {len(key.encode())} bytes long; at most {most} allowed",
+            key=key[:60],
+        )
+    return name
 
 
 def visible(key: str) -> bool:
@@ -249,6 +304,86 @@ class Store(ABC):
         key = check_key(key)
         self._append(key, to_bytes(value, key))
 
+    # -- torch's extended API ----------------------------------------------
+    def queue_push(self, key: str, value: Value) -> None:
+        """Append ``value`` to the FIFO queue ``key`` (a queue exists once pushed to).
+
+        Queues are separate from keys: ``get(key)`` does not see queue ``key``.
+        """
+        key = check_key(key)
+        self._queue_push(key, to_bytes(value, key))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Remove and return the oldest item of queue ``key``.
+
+        Each item goes to exactly one caller, however many processes pop at
+        once.  On an empty queue, ``block=True`` waits up to the store's
+        timeout for a push, then raises
+        :class:`~distcomm.errors.DistStoreTimeoutError`; ``block=False``
+        raises :class:`~distcomm.errors.QueueEmptyError` at once.  A blocked
+        pop occupies its TCPStore connection: other threads use a :meth:`clone`.
+        """
+        key = check_key(key)
+        if not isinstance(block, bool):
+            raise DistTypeError(
+                f"queue_pop block for key {key!r} must be bool, got {type(block).__name__}",
+                key=key,
+            )
+        return self._queue_pop(key, block, self._timeout_s)
+
+    def queue_len(self, key: str) -> int:
+        """Return how many items queue ``key`` holds (0 for a queue never pushed to)."""
+        return self._queue_len(check_key(key))
+
+    def list_keys(self) -> list[str]:
+        """Return the keys that are set, sorted: the keys ``num_keys`` counts.
+
+        Keys distcomm uses itself (queues, barriers, bookkeeping) are not
+        listed.  A :class:`~.prefix.PrefixStore` lists only the keys under its
+        prefix, without the prefix.
+        """
+        return sorted(self._list_keys())
+
+    def barrier(self, key: str, world_size: int, timeout: Timeout | None = None) -> None:
+        """Block until ``world_size`` callers (any processes, any handles) called it with ``key``.
+
+        Raises :class:`~distcomm.errors.DistStoreTimeoutError`, saying how many
+        arrived, after ``timeout`` (default: the store's); a caller that timed
+        out still counts as arrived.  A key serves one barrier: once
+        ``world_size`` callers arrived, later calls with the same key return
+        at once, so use a new key (with a round number, say) for each round.
+        """
+        key = check_key(key)
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise DistTypeError(
+                f"store barrier world_size must be int, got {type(world_size).__name__}", key=key
+            )
+        if world_size < 1:
+            raise DistInputError(
+                f"store barrier world_size must be >= 1, got {world_size}", key=key
+            )
+        self._barrier(key, world_size, self._wait_seconds(timeout))
+
+    def clone(self) -> Store:
+        """Return a new store object on the same data, e.g. for another thread.
+
+        A TCPStore clone is a new connection to the same server (same token),
+        a FileStore clone opens the same file, a HashStore clone shares the
+        dict, a PrefixStore clone wraps a clone of its store.  The clone owns
+        what it opened: whoever made it closes it.
+        """
+        return self._clone()
+
+    def has_extended_api(self) -> bool:
+        """Whether this store has the extended API (``list_keys``, ``clone``, queues, ...).
+
+        True for HashStore, FileStore, TCPStore and a PrefixStore over one of
+        them; False for a ``Store`` subclass without ``_list_keys`` and
+        ``_clone``.  Queues and ``barrier`` work on every store.
+        """
+        cls = type(self)
+        return cls._list_keys is not Store._list_keys and cls._clone is not Store._clone
+
     def close(self) -> None:
         """Release what this store holds (sockets, files, threads).  Idempotent."""
         return None
@@ -292,6 +427,91 @@ class Store(ABC):
 
     @abstractmethod
     def _append(self, key: str, value: bytes) -> None: ...
+
+    # -- what a concrete store may implement (defaults on the methods above) --
+    def _list_keys(self) -> list[str]:
+        raise DistStoreError(f"{type(self).__name__} cannot list its keys", op="list_keys")
+
+    def _clone(self) -> Store:
+        raise DistStoreError(f"{type(self).__name__} cannot be cloned", op="clone")
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        name = namespace(QUEUE_PREFIX, key, "queue")
+        item = _ITEM + value
+        while True:
+            slot = f"{name}item/{self._add(name + 'tail', 1)}"
+            if self._compare_set(slot, b"", item) == item:
+                return
+            self._delete_key(slot)  # its popper gave the slot up: take the next one
+
+    def _queue_pop(self, key: str, block: bool, timeout: float) -> bytes:
+        name = namespace(QUEUE_PREFIX, key, "queue")
+        if not block and self._queue_count(name) <= 0:
+            raise QueueEmptyError(f"store queue {key!r} is empty", key=key, op="queue_pop")
+        n = self._add(name + "head", 1)  # slot n is now this caller's alone
+        slot = f"{name}item/{n}"
+        try:
+            stored = self._get(slot, timeout if block else 0.0)
+        except DistStoreTimeoutError:
+            found = self._queue_give_up(name, n, slot)
+            if found is None:
+                if not block:
+                    raise QueueEmptyError(
+                        f"store queue {key!r} is empty", key=key, op="queue_pop"
+                    ) from None
+                raise DistStoreTimeoutError(
+                    f"store queue_pop of queue {key!r} timed out after {timeout:g} s: "
+                    "the queue stayed empty",
+                    key=key,
+                    op="queue_pop",
+                    timeout=timeout,
+                ) from None
+            stored = found
+        except BaseException:
+            # Interrupted, or the store failed: try not to strand the slot (or its item).
+            with contextlib.suppress(Exception):
+                found = self._queue_give_up(name, n, slot)
+                if found is not None:
+                    self._delete_key(slot)
+                    self._queue_push(key, found[len(_ITEM) :])
+            raise
+        self._delete_key(slot)
+        return stored[len(_ITEM) :]
+
+    def _queue_give_up(self, name: str, n: int, slot: str) -> bytes | None:
+        """Release the claimed slot ``n``; return what it holds if an item arrived after all."""
+        before = str(n - 1).encode()
+        if self._compare_set(name + "head", str(n).encode(), before) == before:
+            return None  # no later claim: undone, the next pop claims slot n again
+        stored = self._compare_set(slot, b"", _ABANDONED)
+        return None if stored == _ABANDONED else stored
+
+    def _queue_count(self, name: str) -> int:
+        head = self._peek_counter(name + "head")  # first: then 'empty' held when tail was read
+        return self._peek_counter(name + "tail") - head
+
+    def _peek_counter(self, key: str) -> int:
+        raw = self._compare_set(key, _ABSENT, _ABSENT)
+        return 0 if raw == _ABSENT else int(raw)
+
+    def _queue_len(self, key: str) -> int:
+        return max(0, self._queue_count(namespace(QUEUE_PREFIX, key, "queue")))
+
+    def _barrier(self, key: str, world_size: int, timeout: float) -> None:
+        name = namespace(BARRIER_PREFIX, key, "barrier")
+        if self._add(name + "arrived", 1) >= world_size:
+            self._set(name + "done", b"1")
+        try:
+            self._wait([name + "done"], timeout)
+        except DistStoreTimeoutError:
+            arrived = self._add(name + "arrived", 0)
+            raise DistStoreTimeoutError(
+                f"store barrier {key!r} timed out after {timeout:g} s: {arrived} of "
+                f"world_size={world_size} callers arrived",
+                key=key,
+                op="barrier",
+                timeout=timeout,
+            ) from None
 
 
 def timeout_error(

@@ -163,7 +163,8 @@ class FileStore(Store):
     ``world_size`` is how many instances may have the file open at once (a
     negative value: any number).  The last instance to ``close`` deletes the
     file.  Close each instance (or use it as a context manager); a forgotten
-    one is closed when garbage-collected.
+    one is closed when garbage-collected.  :meth:`clone` opens the file once
+    more (a user beyond ``world_size`` is allowed for it); close the clone too.
     """
 
     _fd: int | None = None
@@ -426,6 +427,18 @@ class FileStore(Store):
     def _num_keys(self) -> int:
         with self._locked("num_keys"):
             return sum(1 for k in self._data if visible(k))
+
+    def _list_keys(self) -> list[str]:
+        with self._locked("list_keys"):
+            return [k for k in self._data if visible(k)]
+
+    def _clone(self) -> FileStore:
+        if self._fd is None:
+            raise DistStoreError(f"FileStore {self._path!r} is closed", op="clone")
+        # One more user of the file, whatever world_size allows: the clone is this user's.
+        twin = FileStore(self._path, -1, self._timeout_s)
+        twin._world_size = self._world_size
+        return twin
 
     def _delete_key(self, key: str) -> bool:
         with self._locked("delete_key", exclusive=True) as fd:

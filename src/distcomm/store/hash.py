@@ -11,7 +11,11 @@ __all__ = ["HashStore"]
 
 
 class HashStore(Store):
-    """A store inside one process; threads share it.  Cannot cross processes."""
+    """A store inside one process; threads share it.  Cannot cross processes.
+
+    :meth:`clone` returns another ``HashStore`` object on the same dict (with
+    its own timeout).
+    """
 
     def __init__(self, timeout: Timeout = DEFAULT_STORE_TIMEOUT) -> None:
         super().__init__(timeout)
@@ -68,6 +72,15 @@ class HashStore(Store):
     def _num_keys(self) -> int:
         with self._changed:
             return sum(1 for k in self._data if visible(k))
+
+    def _list_keys(self) -> list[str]:
+        with self._changed:
+            return [k for k in self._data if visible(k)]
+
+    def _clone(self) -> HashStore:
+        twin = HashStore(self._timeout_s)
+        twin._data, twin._changed = self._data, self._changed
+        return twin
 
     def _delete_key(self, key: str) -> bool:
         with self._changed:

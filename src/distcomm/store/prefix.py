@@ -15,9 +15,14 @@ class PrefixStore(Store):
     """Adds ``prefix + "/"`` to each key before it reaches ``store``.
 
     The timeout is the underlying store's (``set_timeout`` changes it there),
-    and ``num_keys`` counts the underlying store's keys, as torch does.
-    Closing a ``PrefixStore`` does not close the store it wraps.
+    and ``num_keys`` counts the underlying store's keys, as torch does;
+    ``list_keys`` lists only the keys under the prefix, without it.  Queues
+    and barriers are the underlying store's, named ``prefix/key`` (so
+    internal there too).  Closing a ``PrefixStore`` does not close the store
+    it wraps, except for a :meth:`clone`, which closes the clone it wraps.
     """
+
+    _owns_store = False
 
     def __init__(self, prefix: str, store: Store) -> None:
         if not isinstance(store, Store):
@@ -87,3 +92,33 @@ class PrefixStore(Store):
 
     def _append(self, key: str, value: bytes) -> None:
         self._store._append(self._k(key), value)
+
+    def _list_keys(self) -> list[str]:
+        prefix, n = self._prefix, len(self._prefix)
+        return [k[n:] for k in self._store._list_keys() if len(k) > n and k.startswith(prefix)]
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        self._store._queue_push(self._k(key), value)
+
+    def _queue_pop(self, key: str, block: bool, timeout: float) -> bytes:
+        return self._store._queue_pop(self._k(key), block, timeout)
+
+    def _queue_len(self, key: str) -> int:
+        return self._store._queue_len(self._k(key))
+
+    def _barrier(self, key: str, world_size: int, timeout: float) -> None:
+        self._store._barrier(self._k(key), world_size, timeout)
+
+    def _clone(self) -> PrefixStore:
+        inner = self._store.clone()
+        twin = PrefixStore(self.prefix, inner)
+        twin._owns_store = True
+        return twin
+
+    def has_extended_api(self) -> bool:
+        return self._store.has_extended_api()
+
+    def close(self) -> None:
+        """Close the wrapped store if this is a clone (which owns it); else nothing."""
+        if self._owns_store:
+            self._store.close()

@@ -79,7 +79,9 @@ class TCPStore(Store):
     ``use_libuv`` is accepted for compatibility and ignored.  ``auth_token``
     (distcomm's own; default ``DISTCOMM_AUTH_TOKEN``, ``""`` for none) makes
     the master require it from every client and every client require it
-    from the server.
+    from the server.  :meth:`clone` opens a new client connection to the same
+    server with the same token (a clone of the master is a client: closing
+    it leaves the server running).
     """
 
     def __init__(
@@ -428,6 +430,25 @@ class TCPStore(Store):
 
     def _append(self, key: str, value: bytes) -> None:
         self._call(p.APPEND, key.encode(), value, key=key)
+
+    def _list_keys(self) -> list[str]:
+        (field,) = self._call(p.LIST_KEYS)
+        return [k.decode("utf-8", "replace") for k in field.split(b"\0")] if field else []
+
+    def _clone(self) -> TCPStore:
+        if self._closed:
+            raise DistStoreError(f"TCPStore {self._host}:{self._port} is closed", op="clone")
+        twin = TCPStore(
+            self._host,
+            self._port,
+            None,
+            is_master=False,
+            timeout=self._timeout_s,
+            wait_for_workers=False,
+            auth_token=self._auth or "",
+        )
+        twin._world_size = self._world_size
+        return twin
 
     def ping(self) -> float:
         """Round trip to the server; return the seconds it took."""

@@ -57,7 +57,12 @@ opcode      request fields                OK response fields
 10 MSET     key list, one value per key   -
 11 APPEND   key, value                    -
 12 PING     -                             -
+13 LIST     -                             key list (keys NUM_KEYS counts)
 ==========  ============================  =================================
+
+LIST (LIST_KEYS) answers one key list field, empty when no key is counted.
+It is newer than the other opcodes: a server that predates it closes the
+connection, as for any unknown opcode.
 
 SET is the one request without a response (as in torch's store): the
 server applies a connection's requests in order, so every later request of
@@ -99,10 +104,11 @@ F64 = struct.Struct(">d")
 MAX_FRAME = 2**31 - 1
 
 (SET, GET, ADD, CAS, WAIT, CHECK, NUM_KEYS, DELETE, MGET, MSET, APPEND, PING) = range(1, 13)
+LIST_KEYS = 13
 OP_NAMES = {
     SET: "set", GET: "get", ADD: "add", CAS: "compare_set", WAIT: "wait", CHECK: "check",
     NUM_KEYS: "num_keys", DELETE: "delete_key", MGET: "multi_get", MSET: "multi_set",
-    APPEND: "append", PING: "ping",
+    APPEND: "append", PING: "ping", LIST_KEYS: "list_keys",
 }
 OK, TIMEOUT, VALUE_ERROR, BAD_REQUEST = 0, 1, 2, 3
 

@@ -506,6 +506,10 @@ class StoreServer:
             self._send(conn, _OK)
         elif op == p.PING:
             self._send(conn, _OK)
+        elif op == p.LIST_KEYS:
+            _arity(f, 0)
+            keys = [k for k in data if not k.startswith(_INTERNAL)]
+            self._send(conn, p.frame(p.OK, p.join_keys(keys)))
         else:
             raise p.BadFrame(f"unknown opcode {op}")
 

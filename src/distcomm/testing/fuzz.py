@@ -569,7 +569,7 @@ def _store_request(rng: random.Random) -> bytes:
     def secs() -> bytes:
         return p.pack_seconds(rng.choice((0.0, 0.001, 0.01)))
 
-    op = rng.randrange(1, 13)
+    op = rng.randrange(1, max(p.OP_NAMES) + 1)
     if op in (p.SET, p.APPEND):
         return p.frame(op, key(), value())
     if op == p.GET:
@@ -594,7 +594,7 @@ def _bad_store_frame(rng: random.Random) -> bytes:
     """A frame with one deliberate defect in its fields."""
     k = b"fuzz/k"
     choices: list[Callable[[], bytes]] = [
-        lambda: p.frame(rng.choice((0, *range(13, 256)))),  # unknown opcode
+        lambda: p.frame(rng.choice((0, *range(max(p.OP_NAMES) + 1, 256)))),  # unknown opcode
         lambda: p.frame(p.GET, k),  # missing field
         lambda: p.frame(p.SET, k, b"v", b"extra"),  # one field too many
         lambda: p.frame(p.GET, b"", p.pack_seconds(0)),  # empty key
@@ -665,7 +665,7 @@ def _store_case(rng: random.Random, target: StoreTarget) -> tuple[str, bool, byt
         reqs = b"".join(_store_request(rng) for _ in range(rng.randrange(1, 4)))
         return kind, True, _mutate(rng, reqs, rng.randrange(1, 6)), False
     if kind == "random_frame":
-        body = bytes([rng.randrange(1, 13)]) + rng.randbytes(rng.randrange(64))
+        body = bytes([rng.randrange(1, max(p.OP_NAMES) + 1)]) + rng.randbytes(rng.randrange(64))
         return kind, True, p.U32.pack(len(body)) + body, False
     big = b"k" * rng.choice((MAX_KEY_BYTES + 1, 64 * 1024))
     return kind, True, p.frame(rng.choice((p.SET, p.GET, p.DELETE)), big, p.pack_seconds(0)), False
