@@ -245,26 +245,29 @@ class ProcessGroup:
         """Claim the executor for a blocking call in the caller's thread when the group is
         usable, idle and not checking arguments (DETAIL): a lean lane then goes straight to
         :meth:`_run_claimed`; otherwise the call takes :meth:`_submit`."""
-        return self._detail is None and self._broken is None and not self._closed and self._serial.enter_inline()
+        serial = self._serial  # (enter_inline's test, inlined: this runs for every small call)
+        return (self._detail is None and self._broken is None and not self._closed
+                and not serial._queue and serial._busy.acquire(False))
 
-    def _run_claimed(self, op: str, seq: int, info: Any, run: Runner, seconds: float,
-                     result: Any = None) -> Work:
-        """Run ``run(seq, deadline)`` now, in the caller's thread, which claimed the
-        executor (``_serial.enter_inline()``; released here): the common case of a
-        blocking call, kept lean (no hand-off, no waiting on a Work)."""
+    def _run_claimed(self, op: str, seq: int, info: Any, run: Callable[..., Any], seconds: float,
+                     result: Any = None, args: tuple[Any, ...] = ()) -> Work:
+        """Run ``run(*args, seq, deadline)`` now, in the caller's thread, which claimed the
+        executor (``_serial.enter_inline()`` or :meth:`_claim_plain`; released here): the
+        common case of a blocking call, kept lean (no hand-off, no waiting on a Work; a
+        lean lane passes its function and ``args`` rather than a closure)."""
         entry = None
         try:  # everything after the claim: the finally below always releases it
+            t = _now()
             ring = _rec.ring
             if ring is not None:  # the flight recorder: one list per operation, updated in place
-                t = _now()
                 entry = [t, t, None, _STARTED, self.group_name, seq, op, info, None, None]
                 ring.append(entry)
             # One Deadline per group, reset for each call: calls in the caller's thread run one
             # at a time (the executor is claimed) and nothing keeps a deadline after its call.
             deadline = self._inline_deadline
             deadline.seconds = seconds
-            deadline.at = _now() + seconds  # (time.monotonic, as Deadline)
-            out = run(seq, deadline)
+            deadline.at = t + seconds  # (time.monotonic, as Deadline)
+            out = run(*args, seq, deadline)
         except BaseException as e:  # noqa: BLE001 - re-raised as the user-facing error
             if entry is not None:
                 _rec.finish(entry, e)
@@ -273,7 +276,7 @@ class ProcessGroup:
                 raise
             raise err from e
         finally:
-            self._serial.leave_inline()
+            self._serial._busy.release()  # (leave_inline, inlined)
         if entry is not None:
             entry[2] = _now()  # F_FINISHED
             entry[3] = _COMPLETED  # F_STATE

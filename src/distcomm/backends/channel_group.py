@@ -176,12 +176,14 @@ class ChannelProcessGroup(ProcessGroup):
                 checked, combine = op_combiner(op, name)  # a bad op raises here, as below
                 flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
                 info = (tensor.shape, name, None, checked, None)
-                # (then straight into _run_claimed, which releases the claim)
+                # (then straight into _run_claimed, which releases the claim; the algorithms
+                # are read before the claim: None only once the group is closed, which the
+                # claim refuses, so nothing between claim and release can fail)
+                algorithms = self.algorithms
                 if checked.name not in FINALIZED and self._claim_plain():
                     return self._run_claimed(
-                        "all_reduce", next(self._seqs), info,
-                        lambda seq, deadline: self.algorithms.allreduce(flat, combine, seq, deadline),
-                        self.timeout, tensor,
+                        "all_reduce", next(self._seqs), info, algorithms.allreduce,
+                        self.timeout, tensor, (flat, combine),
                     )
         ref = self._ref(tensor, "tensor")
         op, combine = op_combiner(op, ref.dtype)

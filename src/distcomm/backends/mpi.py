@@ -298,6 +298,12 @@ class MpiCollectives:
         self._go("MPI_Allreduce", arr.nbytes, c.Allreduce, c.Iallreduce, deadline, self.MPI.IN_PLACE,
                  [view, dt], op)
 
+    def allreduce_planned(self, buf: list[Any], mpi_op: Any, nbytes: int, seq: int, deadline: Deadline) -> None:
+        """``MPI_(I)allreduce`` in place of ``buf`` (``[array, MPI datatype]``) with ``mpi_op``,
+        both already chosen (:meth:`MpiProcessGroup.allreduce`'s plan)."""
+        c = self.comm
+        self._go("MPI_Allreduce", nbytes, c.Allreduce, c.Iallreduce, deadline, self.MPI.IN_PLACE, buf, mpi_op)
+
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
         c = self.comm
         view, dt, op = self.ops.reduction(arr, combine)
@@ -397,15 +403,12 @@ class MpiProcessGroup(ChannelProcessGroup):
             if plan[1] is not None and flags.c_contiguous and flags.writeable:
                 _, name, checked, view_dtype, mpi_type, mpi_op = plan
                 buf = [tensor if view_dtype is tensor.dtype else tensor.view(view_dtype), mpi_type]
-                go, comm, in_place, nbytes = self.collectives._go, self.comm, self.rt.MPI.IN_PLACE, tensor.nbytes
-
-                def run(seq: int, deadline: Deadline) -> None:
-                    go("MPI_Allreduce", nbytes, comm.Allreduce, comm.Iallreduce, deadline, in_place, buf, mpi_op)
-
                 info = (tensor.shape, name, None, checked, None)
+                run = self.collectives.allreduce_planned
+                args = (buf, mpi_op, tensor.nbytes)
                 if not async_op and self._claim_plain():  # (_run_claimed releases the claim)
-                    return self._run_claimed("all_reduce", next(self._seqs), info, run, self.timeout, tensor)
-                return self._submit("all_reduce", run, async_op, tensor, info)
+                    return self._run_claimed("all_reduce", next(self._seqs), info, run, self.timeout, tensor, args)
+                return self._submit("all_reduce", functools.partial(run, *args), async_op, tensor, info)
         return super().allreduce(tensor, op, async_op)
 
     def _plan(self, arr: np.ndarray, op: Any) -> tuple[Any, ...]:
