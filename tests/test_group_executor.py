@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from distcomm.errors import DistBackendError
+from distcomm.errors import DistBackendError, DistTimeoutError
 from distcomm.group import _Serial
 from distcomm.work import Work
 
@@ -97,3 +97,17 @@ def test_stop_fails_what_is_queued_joins_the_worker_and_refuses_more():
     serial.stop(stopped)  # again: joins the worker, which ends once the executor is free
     assert not any(t.name == "distcomm-group:t" for t in threading.enumerate())
     assert ran == []
+
+
+def test_work_synchronize_waits_and_block_current_stream_returns_at_once():
+    ok, failed, pending = _work("ok"), _work("failed"), _work("pending")
+    pending.block_current_stream()  # no stream to order: returns although not finished
+    assert not pending.is_completed()
+    timer = threading.Timer(0.05, ok._finish, args=(42,))
+    timer.start()
+    ok.synchronize()  # waits for the result
+    timer.join()
+    assert ok.is_completed() and ok.result() == 42
+    failed._finish(error=DistTimeoutError("all_reduce timed out"))
+    with pytest.raises(DistTimeoutError, match="timed out"):
+        failed.synchronize()

@@ -64,6 +64,15 @@ class Work:
             raise self._error
         return True
 
+    def synchronize(self) -> None:
+        """Wait for the operation and raise its error (torch's name; on the CPU there is no
+        device stream to order against, so this is :meth:`wait` without a timeout)."""
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        """Nothing to do: torch orders a GPU stream after the operation here, and distcomm
+        has no GPU streams.  Returns at once, as torch's does."""
+
     def is_completed(self) -> bool:
         """Whether the operation finished, successfully or not."""
         return self._done.is_set()
