@@ -285,35 +285,24 @@ def check_bad_extended_args(store: Store) -> None:
     keep, n = sc._setup_keep(store)
     store.queue_push("ok", b"kept")
     too_long = "k" * (MAX_KEY_BYTES + 1)
+
+    def keyed_calls(key: object) -> list:
+        """Every extended call that takes a key, with ``key``."""
+        return [(store.queue_push, (key, b"v")), (store.queue_pop, (key,)), (store.queue_pop, (key, False)),
+                (store.queue_len, (key,)), (store.barrier, (key, 1))]
+
     for key in (123, None, b"bytes", 1.5, ["q"]):
-        for call, args in (
-            (store.queue_push, (key, b"v")),
-            (store.queue_pop, (key,)),
-            (store.queue_pop, (key, False)),
-            (store.queue_len, (key,)),
-            (store.barrier, (key, 1)),
-        ):
+        for call, args in keyed_calls(key):
             e = sc._raises(DistTypeError, call, *args)
             assert isinstance(e, TypeError)
             _one_line(e)
     for key in ("", "a\0b", too_long, "é" * (MAX_KEY_BYTES // 2 + 1)):
-        for call, args in (
-            (store.queue_push, (key, b"v")),
-            (store.queue_pop, (key,)),
-            (store.queue_len, (key,)),
-            (store.barrier, (key, 1)),
-        ):
+        for call, args in keyed_calls(key):
             e = sc._raises(DistInputError, call, *args)
             assert isinstance(e, ValueError)
             _one_line(e)
     # A valid key whose queue (or barrier) keys would be too long.
-    nearly = "n" * (MAX_KEY_BYTES - 8)
-    for call, args in (
-        (store.queue_push, (nearly, b"v")),
-        (store.queue_pop, (nearly,)),
-        (store.queue_len, (nearly,)),
-        (store.barrier, (nearly, 1)),
-    ):
+    for call, args in keyed_calls("n" * (MAX_KEY_BYTES - 8)):
         e = sc._raises(DistInputError, call, *args)
         assert "long" in str(e), str(e)
         _one_line(e)
