@@ -139,7 +139,20 @@ def _close_in(rep: cc.Report):
     return close
 
 
-EXTRA = {"no_rendezvous": no_rendezvous, "mpi_errors": mpi_errors, "op_mapping": op_mapping}
+def device_mesh(rank: int, ws: int, backend: str, port: int) -> cc.Report:
+    """tests/test_device_mesh.py's mesh checks on MPI groups: a (2, 1) mesh on 2 ranks, (1, 3)
+    on 3 (one dimension's lines are single ranks, the other's the whole job)."""
+    from test_device_mesh import _mesh_rank
+
+    rep = cc.Report(rank)
+    for problem in _mesh_rank(rank, ws, backend, port, (2, ws // 2) if ws % 2 == 0 else (1, ws)):
+        rep.fail(problem)
+    rep.cases += 1
+    return rep
+
+
+EXTRA = {"no_rendezvous": no_rendezvous, "mpi_errors": mpi_errors, "op_mapping": op_mapping,
+         "device_mesh": device_mesh}
 
 
 def cases() -> dict[str, tuple]:

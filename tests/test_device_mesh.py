@@ -51,9 +51,12 @@ def _mesh_rank(rank: int, world_size: int, backend: str, port: int, shape: tuple
         bad.append("get_group by index or get_all_groups differ from get_group by name")
     if (mesh.get_local_rank("dp"), mesh.get_local_rank("tp")) != (row, col):
         bad.append(f"local ranks {mesh.get_local_rank('dp')}, {mesh.get_local_rank('tp')}")
-    # one group per dimension, none when the line is the whole job (here: never, both dims > 1)
-    if dist.get_pg_count() != groups_before + 2:
-        bad.append(f"{dist.get_pg_count() - groups_before} groups made for a 2-D mesh")
+    # one group per dimension, except where the line is the whole job (the default group)
+    made = sum(1 for extent in shape if extent != world_size)
+    if dist.get_pg_count() != groups_before + made:
+        bad.append(f"{dist.get_pg_count() - groups_before} groups made for a {shape} mesh, expected {made}")
+    if world_size in shape and dist.GroupMember.WORLD not in mesh.get_all_groups():
+        bad.append(f"a whole-job line of a {shape} mesh is not the default group")
     # collectives along each dimension reach exactly that line
     x = np.array([rank], np.int64)
     dist.all_reduce(x, group=tp)
@@ -107,7 +110,7 @@ def _mesh_rank(rank: int, world_size: int, backend: str, port: int, shape: tuple
     return bad
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (3, 2)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2, 2), (3, 2), (1, 3)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_init_device_mesh_groups_slices_and_flatten(backend, shape):
     world_size = shape[0] * shape[1]
