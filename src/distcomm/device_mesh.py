@@ -97,7 +97,6 @@ class DeviceMesh:
         where = np.argwhere(self._mesh == world.rank)
         self._coordinate: list[int] | None = [int(c) for c in where[0]] if len(where) else None
         self._root: DeviceMesh = self
-        self._dims = list(range(self._mesh.ndim))  # the root's dimensions this mesh spans
         self._flattened: dict[str, DeviceMesh] = {}
         backends = self._backends(backend_override)
         self._groups: list[ProcessGroup] = []
@@ -229,7 +228,6 @@ class DeviceMesh:
         sub._rank = self._rank
         sub._coordinate = [coord[d] for d in dims]
         sub._root = self._root
-        sub._dims = [self._dims[d] for d in dims]
         sub._flattened = {}
         sub._groups = [self._groups[d] for d in dims] if self._groups else []
         return sub
