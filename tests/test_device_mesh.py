@@ -4,6 +4,7 @@ get_backend_config, get_default_backend_for_device, supports_complex and breakpo
 from __future__ import annotations
 
 import io
+import sys
 import time
 
 import numpy as np
@@ -171,7 +172,7 @@ def _breakpoint_rank(rank: int, world_size: int, backend: str, port: int) -> dic
     secret = 6 * 7  # noqa: F841 - read by the debugger's 'p secret'
     ended: list[float] = []  # when the prompt's last command ran (CLOCK_MONOTONIC is system-wide)
     commands = "p secret\n!import time; time.sleep(0.3); ended.append(time.monotonic())\nc\n"
-    bp.open_terminal = lambda: (io.StringIO(commands), out, lambda: None)
+    bp.open_terminal = lambda: (io.StringIO(commands), out)
     for _ in range(2):
         dist.breakpoint(rank=1 % world_size, skip=1)  # the first call from this line is skipped
     ended.clear()
@@ -196,3 +197,41 @@ def test_breakpoint_stops_one_rank_and_the_others_wait(world_size):
             assert "42" in res["out"]
         # every rank leaves the rank-0 breakpoint only after rank 0's prompt ended
         assert res["left"] > prompt_ended, (rank, res)
+
+
+def _breakpoint_step_rank(rank: int, world_size: int, backend: str, port: int) -> dict:
+    init(rank, world_size, backend, port)
+    out = io.StringIO()
+    # rank 0: step on ("n"), which stops at the next line here; look at it; continue
+    bp.open_terminal = lambda: (io.StringIO("n\np stepped + 1\nc\n"), out)
+    stepped = 41
+    dist.breakpoint(rank=0)
+    stepped = 99  # noqa: F841 - the line the step stops at
+    tracing = sys.gettrace() is not None
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"out": out.getvalue(), "tracing": tracing}
+
+
+def test_breakpoint_n_goes_on_debugging_from_the_next_line():
+    results = run_world(_breakpoint_step_rank, 2, "tcp", timeout=60)
+    out = results[0]["out"]
+    stop = out.index("-> stepped = 99")  # the step stopped on the caller's next line ...
+    assert "42" in out[stop:], out  # ... before running it: 'stepped' was still 41
+    assert "distcomm/" not in out[stop:], out  # no stop inside distcomm's own frames
+    assert not results[0]["tracing"] and not results[1]["tracing"] and results[1]["out"] == ""
+
+
+def test_breakpoint_without_a_terminal_warns_and_goes_on(monkeypatch, caplog):
+    monkeypatch.setattr(bp, "open_terminal", lambda: None)
+    dist.init_process_group("tcp", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with caplog.at_level("WARNING", logger="distcomm.debug"):
+            dist.breakpoint()
+        with pytest.raises(DistInputError, match=r"not in \[0, 1\)"):
+            dist.breakpoint(rank=1)
+        with pytest.raises(DistTypeError, match="must be ints"):
+            dist.breakpoint(rank="0")
+    finally:
+        dist.destroy_process_group()
+    assert "has no terminal to debug on" in caplog.text

@@ -6,15 +6,19 @@
     dist.breakpoint(rank=2, skip=10)
 
 The chosen rank's debugger reads the process's terminal: its standard input
-when that is one, else ``/dev/tty``.  A rank with no terminal (stdin
-redirected and no controlling terminal, as under most launchers without
-``--tee``-style forwarding) logs a warning and goes on, so the job does not
-hang on a prompt nobody can answer.  Every rank then meets the others in a
-barrier of the default group that waits up to ``timeout_s`` seconds.
+when that is one, else ``/dev/tty`` (opened once, closed at exit).  A rank
+with no terminal (stdin redirected and no controlling terminal, as under
+most launchers without ``--tee``-style forwarding) logs a warning and goes
+on, so the job does not hang on a prompt nobody can answer.  Every rank
+then meets the others in a barrier of the default group that waits up to
+``timeout_s`` seconds.  Leaving the prompt with ``n`` or ``s`` releases the
+others too and goes on debugging from the caller's next line (distcomm's
+own frames are skipped).
 """
 
 from __future__ import annotations
 
+import atexit
 import pdb
 import sys
 from collections.abc import Callable
@@ -28,31 +32,36 @@ logger = get_logger("distcomm.debug")
 
 #: Calls seen so far per call site (file, line), for ``skip``.
 _calls: dict[tuple[str, int], int] = {}
+#: /dev/tty, once a prompt needed it (stepping keeps reading it after breakpoint returns).
+_tty: IO[str] | None = None
 
 
-def _terminal() -> tuple[IO[str], IO[str], Callable[[], None]] | None:
-    """(input, output, close) of the terminal the debugger talks to, or None."""
+def _terminal() -> tuple[IO[str], IO[str]] | None:
+    """(input, output) of the terminal the debugger talks to, or None."""
+    global _tty
     if sys.stdin is not None and sys.stdin.isatty():
-        return sys.stdin, sys.stdout, lambda: None
-    try:
-        tty = open("/dev/tty", "r+")  # noqa: SIM115 - closed by the returned callable
-    except OSError:
-        return None
-    return tty, tty, tty.close
+        return sys.stdin, sys.stdout
+    if _tty is None:
+        try:
+            _tty = open("/dev/tty", "r+")  # noqa: SIM115 - closed at exit
+        except OSError:
+            return None
+        atexit.register(_tty.close)
+    return _tty, _tty
 
 
 #: What the debugger reads and writes (a test replaces it).
-open_terminal: Callable[[], tuple[IO[str], IO[str], Callable[[], None]] | None] = _terminal
+open_terminal: Callable[[], tuple[IO[str], IO[str]] | None] = _terminal
 
 
 def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
     """Open a pdb prompt in the calling frame on ``rank`` only (after ``skip`` calls from
     the same line); every rank of the default group waits in a barrier until that rank
-    continues, at most ``timeout_s`` seconds.
+    leaves the prompt, at most ``timeout_s`` seconds.
 
-    The prompt inspects and evaluates (``p``, ``pp``, ``up``, ``down``, ``where``, any
-    Python statement); ``c``, ``n``, ``s`` and ``q`` all leave it and the program goes on
-    (the prompt does not single-step).
+    At the prompt: inspect and evaluate (``p``, ``pp``, ``where``, ``up``, ``down``, any
+    statement); ``c`` (or ``q``) continues, ``n`` or ``s`` goes on debugging from the
+    caller's next line once the others are released.
     """
     from .. import api
     from ..errors import DistInputError, DistTypeError
@@ -68,22 +77,24 @@ def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
     _calls[site] = seen + 1
     if seen < skip:
         return
-    if pg.rank() == rank:
-        _prompt(caller, rank)
+    stepping = _prompt(caller, rank) if pg.rank() == rank else None
     pg.barrier(timeout=float(timeout_s)).wait()
+    if stepping is not None:
+        stepping.set_trace(caller)  # stops at the caller's next line
 
 
-def _prompt(frame: Any, rank: int) -> None:
+def _prompt(frame: Any, rank: int) -> pdb.Pdb | None:
+    """The prompt in ``frame``; the debugger if the user asked to step on, else None."""
     term = open_terminal()
     if term is None:
         logger.warning("distcomm.breakpoint: rank %d has no terminal to debug on; going on", rank)
-        return
-    stdin, stdout, close = term
-    try:
-        debugger = pdb.Pdb(stdin=stdin, stdout=stdout, nosigint=True)
-        debugger.use_rawinput = False  # read the terminal given, not sys.stdin
-        debugger.message(f"distcomm.breakpoint: rank {rank} stopped; the others wait until you continue (c)")
-        debugger.reset()
-        debugger.interaction(frame, None)
-    finally:
-        close()
+        return None
+    stdin, stdout = term
+    debugger = pdb.Pdb(stdin=stdin, stdout=stdout, nosigint=True, skip=["distcomm", "distcomm.*"])
+    debugger.use_rawinput = False  # read the terminal given, not sys.stdin
+    debugger.message(f"distcomm.breakpoint: rank {rank} stopped; the others wait until you continue (c)")
+    debugger.reset()
+    debugger.interaction(frame, None)  # returns on c, n, s, q, ...
+    if debugger.quitting or debugger.stoplineno == -1:  # q, or c (set_continue)
+        return None
+    return debugger
