@@ -346,12 +346,19 @@ def get_backend_config(group: ProcessGroup | None = None) -> str:
 def get_default_backend_for_device(device: Any) -> str:
     """The backend ``init_process_group()`` picks for ``device`` (``"cpu"`` or a CPU torch
     device): distcomm's default, ``"auto"``."""
-    name = getattr(device, "type", device)
-    if not isinstance(name, str):
-        raise DistTypeError(f"device must be a str such as 'cpu' or a torch.device, got {type(device).__name__}")
-    if name.split(":", 1)[0] != "cpu":
-        raise DistInputError(f"device {name!r} has no distcomm backend: distcomm runs on the CPU ('cpu')")
+    cpu_device(device, "device")
     return Backend(DEFAULT_BACKEND)
+
+
+def cpu_device(device: Any, what: str) -> str:
+    """``"cpu"`` for ``device`` (``"cpu"``, ``"cpu:0"`` or a CPU torch device); a one-line
+    error naming ``what`` for anything else."""
+    name = getattr(device, "type", device)  # torch.device("cpu") -> "cpu"
+    if not isinstance(name, str):
+        raise DistTypeError(f"{what} must be a str such as 'cpu' or a torch.device, got {type(device).__name__}")
+    if name.split(":", 1)[0] != "cpu":
+        raise DistInputError(f"{what} {name!r} is not supported: distcomm runs on the CPU ('cpu')")
+    return "cpu"
 
 
 def get_pg_count() -> int:

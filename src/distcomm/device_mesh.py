@@ -34,16 +34,6 @@ from .group import ProcessGroup
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
 
-def _device_type(device_type: Any) -> str:
-    """``"cpu"`` (or a torch CPU device); a clear error for anything else."""
-    name = getattr(device_type, "type", device_type)  # torch.device("cpu") -> "cpu"
-    if not isinstance(name, str):
-        raise DistTypeError(f"device_type must be a str such as 'cpu', got {type(device_type).__name__}")
-    if name != "cpu":
-        raise DistInputError(f"device_type {name!r} is not supported: distcomm runs on the CPU, use 'cpu'")
-    return name
-
-
 def _dim_names(names: Any, ndim: int) -> tuple[str, ...] | None:
     if names is None:
         return None
@@ -90,7 +80,7 @@ class DeviceMesh:
     def __init__(self, device_type: Any, mesh: Any, *, mesh_dim_names: Sequence[str] | None = None,
                  backend_override: dict[int | str, Any] | None = None, _init_backend: bool = True) -> None:
         world = api._require_world()
-        self.device_type = _device_type(device_type)
+        self.device_type = api.cpu_device(device_type, "device_type")
         self._mesh = _rank_array(mesh, world.size)
         self.mesh_dim_names = _dim_names(mesh_dim_names, self._mesh.ndim)
         self._rank = world.rank
@@ -221,14 +211,8 @@ class DeviceMesh:
             return self
         coord = self._member("sub-mesh")
         index: list[Any] = [slice(None) if d in dims else coord[d] for d in range(self.ndim)]
-        sub = object.__new__(DeviceMesh)
-        sub.device_type = self.device_type
-        sub._mesh = self._mesh[tuple(index)]
-        sub.mesh_dim_names = names
-        sub._rank = self._rank
-        sub._coordinate = [coord[d] for d in dims]
+        sub = DeviceMesh(self.device_type, self._mesh[tuple(index)], mesh_dim_names=names, _init_backend=False)
         sub._root = self._root
-        sub._flattened = {}
         sub._groups = [self._groups[d] for d in dims] if self._groups else []
         return sub
 
@@ -325,7 +309,7 @@ def init_device_mesh(device_type: Any, mesh_shape: Sequence[int], *,
     job out (they get a mesh without coordinates); it may not need more ranks than
     the job has.
     """
-    _device_type(device_type)
+    api.cpu_device(device_type, "device_type")
     given: Any = mesh_shape
     if isinstance(given, numbers.Integral):
         given = (given,)

@@ -193,6 +193,10 @@ def namespace(prefix: str, key: str, what: str) -> str:
     return name
 
 
+def _queue_empty(key: str) -> QueueEmptyError:
+    return QueueEmptyError(f"store queue {key!r} is empty", key=key, op="queue_pop")
+
+
 def visible(key: str) -> bool:
     """Whether ``num_keys`` counts ``key``."""
     return not key.startswith(INTERNAL_PREFIX)
@@ -447,7 +451,7 @@ class Store(ABC):
     def _queue_pop(self, key: str, block: bool, timeout: float) -> bytes:
         name = namespace(QUEUE_PREFIX, key, "queue")
         if not block and self._queue_count(name) <= 0:
-            raise QueueEmptyError(f"store queue {key!r} is empty", key=key, op="queue_pop")
+            raise _queue_empty(key)
         n = self._add(name + "head", 1)  # slot n is now this caller's alone
         slot = f"{name}item/{n}"
         try:
@@ -456,9 +460,7 @@ class Store(ABC):
             found = self._queue_give_up(name, n, slot)
             if found is None:
                 if not block:
-                    raise QueueEmptyError(
-                        f"store queue {key!r} is empty", key=key, op="queue_pop"
-                    ) from None
+                    raise _queue_empty(key) from None
                 raise DistStoreTimeoutError(
                     f"store queue_pop of queue {key!r} timed out after {timeout:g} s: "
                     "the queue stayed empty",
