@@ -151,8 +151,41 @@ def device_mesh(rank: int, ws: int, backend: str, port: int) -> cc.Report:
     return rep
 
 
+def shrink(rank: int, ws: int, backend: str, port: int) -> cc.Report:
+    """shrink_group on MPI communicators: the last rank is left out (alive, it just waits);
+    the others shrink a group of every rank, then the default group, and go on in both."""
+    rep = cc.Report(rank)
+    cc.init(rank, ws, backend, port)
+    try:
+        everyone = dist.new_group(list(range(ws)))
+        if rank == ws - 1:  # left out: its own view of the job is unchanged
+            rep.cases += 1
+            if (dist.get_rank(), dist.get_world_size()) != (rank, ws):
+                rep.fail(f"the left-out rank sees rank {dist.get_rank()} of {dist.get_world_size()}")
+            return rep
+        m = ws - 1
+        sub = dist.shrink_group([ws - 1], group=everyone)
+        v = np.array([rank + 1], np.int64)
+        dist.all_reduce(v, group=sub)
+        rep.exact("all_reduce in a shrunk group", v, np.array([m * (m + 1) // 2], np.int64))
+        pg = dist.shrink_group([ws - 1])
+        rep.cases += 1
+        if (dist.get_rank(), dist.get_world_size(), pg.size(), dist.group.WORLD is pg) != (rank, m, m, True):
+            rep.fail(f"after the shrink: rank {dist.get_rank()} of {dist.get_world_size()}, group size {pg.size()}")
+        w = np.full(3, rank + 1.0)
+        dist.all_reduce(w)
+        rep.exact("all_reduce in the shrunk default group", w, np.full(3, m * (m + 1) / 2))
+        after = dist.new_group(list(range(m)))
+        x = np.array([rank], np.int64)
+        dist.broadcast(x, src=m - 1, group=after)
+        rep.exact("broadcast in a group made after the shrink", x, np.array([m - 1], np.int64))
+    finally:
+        dist.destroy_process_group()
+    return rep
+
+
 EXTRA = {"no_rendezvous": no_rendezvous, "mpi_errors": mpi_errors, "op_mapping": op_mapping,
-         "device_mesh": device_mesh}
+         "device_mesh": device_mesh, "shrink": shrink}
 
 
 def cases() -> dict[str, tuple]:

@@ -101,6 +101,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is im
     )
     from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum, supports_complex  # noqa: F401 - torch's private name
     from .shared_arrays import empty, zeros
+    from .shrink import SHRINK_ABORT, SHRINK_DEFAULT, shrink_group
     from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
     from .store.rendezvous import register_rendezvous_handler, rendezvous
     from .work import Work
@@ -135,6 +136,7 @@ _WHERE: dict[str, str] = {
          "scatter_object_list send_object_list set_object_unpickler"),
         (".reduce_op", "ReduceOp _make_nccl_premul_sum make_premul_sum supports_complex"),
         (".shared_arrays", "empty zeros"),
+        (".shrink", "SHRINK_ABORT SHRINK_DEFAULT shrink_group"),
         (".store", "FileStore HashStore PrefixStore Store TCPStore"),
         (".store.rendezvous", "register_rendezvous_handler rendezvous"),
         (".work", "Work"),
@@ -197,6 +199,8 @@ __all__ = [
     "PrefixStore",
     "QueueEmptyError",
     "ProcessGroup",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "ReduceOp",
     "Store",
     "TCPStore",
@@ -256,6 +260,7 @@ __all__ = [
     "set_object_unpickler",
     "set_debug_level",
     "set_debug_level_from_env",
+    "shrink_group",
     "spawn",
     "split_group",
     "supports_complex",

@@ -79,9 +79,15 @@ class GroupMember:
 
 
 class _World:
-    def __init__(self, generation: int, store: Store, rank: int, size: int, backend: str) -> None:
+    def __init__(self, generation: int, store: Store, rank: int, size: int, backend: str,
+                 base_store: Store, tag: str | None = None) -> None:
         self.generation = generation
-        self.store = store
+        #: What group names start with: the generation, then ``.k`` after k shrinks.
+        self.tag = tag or str(generation)
+        self.store = store  # base_store under this world's prefix
+        self.base_store = base_store
+        self.owned_store: Store | None = None  # base_store when the world opened it
+        self.shrinks = 0  # times shrink_group replaced the default group (see distcomm.shrink)
         self.rank = rank
         self.size = size
         self.backend = backend
@@ -228,15 +234,16 @@ def init_process_group(
         _generation += 1
         gen = _generation
         prefixed = PrefixStore(f"distcomm/{gen}/default_pg", store)
-        world = _World(gen, prefixed, rank, world_size, name)
+        world = _World(gen, prefixed, rank, world_size, name, store)
         if owns_store:
+            world.owned_store = store
             world.resources.append(store)
         try:
             pg = factory.world(prefixed, rank, world_size, seconds, world=world)
         except BaseException:
             _close_all(world.resources)
             raise
-        pg.group_name = group_name or f"{gen}:default"
+        pg.group_name = group_name or f"{world.tag}:default"
         world.default = pg
         world.groups[pg.group_name] = pg
         GroupMember.WORLD = pg
@@ -275,14 +282,35 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         _debug.group_destroyed(group)
         return
     with _init_lock:
-        for pg in list(world.groups.values())[::-1]:
-            pg.shutdown()
-            _debug.group_destroyed(pg)
-        world.groups.clear()
+        _shutdown_groups(world)
         _debug.world_ended()
         _close_all(world.resources[::-1])
         GroupMember.WORLD = None
         _world = None
+
+
+def _shutdown_groups(world: _World) -> None:
+    for pg in list(world.groups.values())[::-1]:
+        pg.shutdown()
+        _debug.group_destroyed(pg)
+    world.groups.clear()
+
+
+def _replace_world(old: _World, new: _World, pg: ProcessGroup) -> None:
+    """Make ``new``, whose default group is ``pg``, the world instead of ``old``, releasing
+    ``old``'s groups and resources but the store they share (:func:`distcomm.shrink_group`)."""
+    global _world
+    with _init_lock:
+        if _world is not old:  # destroyed meanwhile: so is the new one
+            pg.shutdown()
+            _close_all([r for r in new.resources[::-1] if r is not old.owned_store])
+            raise DistBackendError("the default process group was destroyed while shrink_group ran")
+        _shutdown_groups(old)
+        _close_all([r for r in old.resources[::-1] if r is not old.owned_store])
+        new.default = pg
+        new.groups[pg.group_name] = pg
+        GroupMember.WORLD = pg
+        _world = new
 
 
 def _close_all(resources: list[Any]) -> None:
@@ -422,10 +450,10 @@ def new_group(
             n = world.local_counts.get(key, 0)
             world.local_counts[key] = n + 1
             digest = hashlib.blake2b(repr(key).encode(), digest_size=6).hexdigest()
-            name = f"{world.generation}:local:{digest}:{n}"
+            name = f"{world.tag}:local:{digest}:{n}"
         else:
             world.group_count += 1
-            name = f"{world.generation}:{world.group_count}"
+            name = f"{world.tag}:{world.group_count}"
         if group_desc:
             name = f"{name}:{group_desc}"
     if world.rank not in members:

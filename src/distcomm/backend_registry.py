@@ -62,6 +62,13 @@ class BackendFactory:
     ) -> Any:
         return self._world(store, group_rank, len(ranks), timeout)
 
+    def shrunk_world(self, world_pg: Any, store: Any, rank: int, survivors: list[int], timeout: float,
+                     **options: Any) -> Any:
+        """A new world group of the ranks ``survivors`` of ``world_pg`` (still open), this
+        process being its rank ``rank``: :func:`distcomm.shrink_group` of the default group.
+        By default a fresh world of ``len(survivors)`` ranks over ``store``."""
+        return self.world(store, rank, len(survivors), timeout, **options)
+
 
 class Backend(str):
     """A backend name: ``Backend("GLOO") == "gloo"``; ``Backend.TCP``, ``Backend.GLOO``, ..."""

@@ -558,5 +558,14 @@ class MpiBackend(BackendFactory):
             rt.call("MPI_Comm_free", comm.Free)
             raise
 
+    def shrunk_world(self, world_pg: Any, store: Store, rank: int, survivors: list[int], timeout: float,
+                     **_: Any) -> MpiProcessGroup:
+        """The survivors' communicator, made from the old world's by them alone
+        (``MPI_Comm_create_group``), as the new world (an MPI job without ULFM does not
+        survive a process that died: this serves ranks left out alive)."""
+        pg = self.subgroup(world_pg, store, survivors, rank, "default", timeout)
+        pg.ranks = list(range(len(survivors)))
+        return pg
+
 
 Backend.register_backend("mpi", MpiBackend())

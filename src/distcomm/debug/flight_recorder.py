@@ -40,20 +40,21 @@ FORMAT_VERSION = 1
 
 log = get_logger("distcomm.debug")
 
-_state: dict[str, Any] = {"rank": None, "world_size": None, "run_id": None}
+_state: dict[str, Any] = {"rank": None, "world_size": None, "run_id": None, "shrinks": 0}
 _groups: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 _handler_installed = False
 
 
 def dump_dir() -> str:
-    """Where this rank's dump goes."""
+    """Where this rank's dump goes (after ``shrink_group`` of the default group, whose
+    ranks are numbered anew, in a subdirectory ``shrink<k>``)."""
     path = os.environ.get(ENV_DIR, "").strip()
-    if path:
-        return path
-    run = (os.environ.get("DISTCOMM_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-           or _state["run_id"] or f"pid{os.getpid()}")
-    return os.path.join("/tmp", f"distcomm-flight-{run}")
+    if not path:
+        run = (os.environ.get("DISTCOMM_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+               or _state["run_id"] or f"pid{os.getpid()}")
+        path = os.path.join("/tmp", f"distcomm-flight-{run}")
+    return os.path.join(path, f"shrink{_state['shrinks']}") if _state["shrinks"] else path
 
 
 def run_id_from_env() -> str | None:
@@ -62,7 +63,12 @@ def run_id_from_env() -> str | None:
 
 def set_world(rank: int | None, world_size: int | None, run_id: str | None) -> None:
     """This process's place in the job (set at initialisation, cleared at destroy)."""
-    _state.update(rank=rank, world_size=world_size, run_id=run_id)
+    _state.update(rank=rank, world_size=world_size, run_id=run_id, shrinks=0)
+
+
+def move(rank: int, world_size: int, shrinks: int) -> None:
+    """This process's new place after the ``shrinks``-th ``shrink_group`` of the default group."""
+    _state.update(rank=rank, world_size=world_size, shrinks=shrinks)
 
 
 def track(pg: Any) -> None:

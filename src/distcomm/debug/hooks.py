@@ -14,7 +14,7 @@ from typing import Any
 
 from . import flight_recorder, levels, log
 
-__all__ = ["before_init", "world_started", "group_created", "group_destroyed", "world_ended"]
+__all__ = ["before_init", "world_started", "world_shrunk", "group_created", "group_destroyed", "world_ended"]
 
 _log = log.get_logger("distcomm.group")
 _RUN_ID_KEY = "debug/run_id"
@@ -40,6 +40,14 @@ def world_started(store: Any, pg: Any, rank: int, size: int, timeout: float, sec
             run_id = None
     flight_recorder.set_world(rank, size, run_id)
     flight_recorder.install_signal_handler()
+    group_created(pg, seconds)
+
+
+def world_shrunk(pg: Any, rank: int, size: int, shrinks: int, seconds: float) -> None:
+    """The ``shrinks``-th ``shrink_group`` made ``pg`` the default group: this process is now
+    ``rank`` of ``size``."""
+    log.set_rank(rank)
+    flight_recorder.move(rank, size, shrinks)
     group_created(pg, seconds)
 
 

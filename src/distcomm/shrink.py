@@ -1,0 +1,127 @@
+"""``shrink_group``: carry on without some ranks (torch's API, on every distcomm backend).
+
+After ranks die or must be left out, the remaining ranks of a group call
+``shrink_group(ranks_to_exclude, group)`` and get a new group of the rest,
+renumbered 0..m-1 in their old order; the excluded ranks take no part.  The
+old group is destroyed (``SHRINK_ABORT`` first fails what is in flight on it,
+here and on the peers it can still reach).
+
+Shrinking the default group makes the new group the default: every other
+group is destroyed, global ranks are renumbered (``get_rank()`` and
+``get_world_size()`` change) and the backend's resources (connections,
+shared memory) are made anew among the remaining ranks over the same store.
+That store must outlive the excluded ranks: the launcher's under ``distcomm
+run``, or any store not hosted by one of them (with ``init_method="env://"``
+rank 0 hosts it).  Until the new default group exists the old one stays in
+place, so a failed shrink leaves the job as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import api
+from .backend_registry import resolve_backend
+from .debug import hooks as _debug
+from .errors import DistBackendError, DistInputError, DistTypeError
+from .group import ProcessGroup
+from .store import PrefixStore
+
+__all__ = ["shrink_group", "SHRINK_DEFAULT", "SHRINK_ABORT"]
+
+#: ``shrink_flags``: destroy the old group, telling no one.
+SHRINK_DEFAULT = 0x00
+#: ``shrink_flags``: abort the old group first (pending operations fail, reachable peers are told).
+SHRINK_ABORT = 0x01
+
+
+def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
+                 shrink_flags: int = SHRINK_DEFAULT, pg_options: Any = None) -> ProcessGroup:
+    """A new group of ``group``'s ranks (default: the default group's) without
+    ``ranks_to_exclude`` (ranks of ``group``); only the remaining ranks call it."""
+    world = api._require_world()
+    if group is api.GroupMember.NON_GROUP_MEMBER:
+        raise DistInputError("shrink_group: this rank is not a member of the group to shrink")
+    pg = api._group(group)
+    excluded = _check_excluded(ranks_to_exclude, pg)
+    if isinstance(shrink_flags, bool) or shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
+        raise DistInputError(
+            f"shrink_flags must be SHRINK_DEFAULT ({SHRINK_DEFAULT}) or SHRINK_ABORT ({SHRINK_ABORT}), "
+            f"got {shrink_flags!r}"
+        )
+    try:
+        resolve_backend(pg.backend_name, pg.backend_name)
+    except DistInputError:
+        raise DistTypeError(
+            f"shrink_group: group {pg.group_name!r} has backend {pg.backend_name!r}, which is not a "
+            f"registered backend that can make groups; shrink a group of a registered backend"
+        ) from None
+    remaining = [r for r in range(pg.size()) if r not in excluded]
+    if shrink_flags == SHRINK_ABORT:
+        pg.abort(DistBackendError(
+            f"process group {pg.group_name!r} was aborted by shrink_group (ranks excluded: "
+            f"{sorted(excluded)})", group=pg.group_name,
+        ))
+    if pg is world.default:
+        return _shrink_world(world, remaining)
+    desc = f"shrunk:{pg.group_name}"
+    new = api.new_group([pg.ranks[r] for r in remaining], timeout=pg.timeout, backend=pg.backend_name,
+                        use_local_synchronization=True, group_desc=desc)
+    assert isinstance(new, ProcessGroup)  # this rank is among the remaining ones
+    api.destroy_process_group(pg)
+    return new
+
+
+def _check_excluded(ranks: Any, pg: ProcessGroup) -> set[int]:
+    """``ranks_to_exclude`` checked against ``pg``, as a set."""
+    size = pg.size()
+    if not isinstance(ranks, (list, tuple)):
+        raise DistTypeError(f"ranks_to_exclude must be a list of group ranks, got {type(ranks).__name__}")
+    if not ranks:
+        raise DistInputError("ranks_to_exclude is empty; name at least one rank of the group to leave out")
+    if size < 2:
+        raise DistInputError(f"shrink_group needs a group of at least 2 ranks; group {pg.group_name!r} "
+                             f"has {size}")
+    seen: set[int] = set()
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise DistTypeError(f"ranks_to_exclude must hold ints, got {r!r:.40} ({type(r).__name__})")
+        if not 0 <= r < size:
+            raise DistInputError(f"rank {r} in ranks_to_exclude is not a rank of the group: expected 0..{size - 1}")
+        if r in seen:
+            raise DistInputError(f"rank {r} is in ranks_to_exclude twice")
+        seen.add(r)
+    if len(seen) == size:
+        raise DistInputError(f"ranks_to_exclude names every rank of the group ({size}); keep at least one")
+    if pg.rank() in seen:
+        raise DistInputError(
+            f"this rank (group rank {pg.rank()}) is in ranks_to_exclude; only the remaining ranks "
+            f"call shrink_group"
+        )
+    return seen
+
+
+def _shrink_world(world: Any, remaining: list[int]) -> ProcessGroup:
+    """The default group's shrink: a new world of the ``remaining`` ranks (see the module)."""
+    old = world.default
+    rank = remaining.index(old.rank())
+    _, factory = resolve_backend(world.backend, world.backend)
+    shrinks = world.shrinks + 1
+    tag = f"{world.generation}.{shrinks}"
+    store = PrefixStore(f"distcomm/{world.generation}/shrink{shrinks}/default_pg", world.base_store)
+    new = api._World(world.generation, store, rank, len(remaining), world.backend, world.base_store, tag)
+    new.shrinks = shrinks
+    started = time.monotonic()
+    try:
+        pg = factory.shrunk_world(old, store, rank, remaining, old.timeout, world=new)
+    except BaseException:
+        api._close_all(new.resources[::-1])  # the old world stays as it was
+        raise
+    pg.group_name = f"{tag}:default"
+    if world.owned_store is not None:
+        new.owned_store = world.owned_store
+        new.resources.insert(0, world.owned_store)
+    api._replace_world(world, new, pg)
+    _debug.world_shrunk(pg, rank, len(remaining), shrinks, time.monotonic() - started)
+    return pg
