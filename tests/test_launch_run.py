@@ -228,6 +228,57 @@ def test_restarts_run_out(tmp_path):
     assert "exited with code 5; no restarts left (--max-restarts 1)" in out.stderr
 
 
+#: Rank 2 is killed after a barrier; the others see it fail, shrink_group([2]) and go on.
+SHRINK_PROG = """
+import os, sys
+import numpy as np
+import distcomm as dist
+dist.init_process_group(sys.argv[1])
+dist.barrier()
+if dist.get_rank() == 2:
+    os.kill(os.getpid(), 9)
+try:
+    dist.all_reduce(np.ones(4))
+    print("no error")
+except dist.DistBackendError as e:
+    print("lost", e.peer)
+dist.shrink_group([2])
+x = np.full(4, dist.get_rank() + 1.0)
+dist.all_reduce(x)
+print("after", dist.get_rank(), dist.get_world_size(), x[0])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_on_worker_failure_continue_lets_the_others_shrink_and_finish(tmp_path, backend):
+    prog = write(tmp_path, "shrink.py", SHRINK_PROG)
+    out = launch(["--standalone", "--nproc-per-node", "3", "--on-worker-failure", "continue", prog, backend],
+                 tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 1):
+        assert f"[rank{rank}]:lost 2" in lines, out.stdout
+        assert f"[rank{rank}]:after {rank} 2 3.0" in lines, out.stdout
+    report = [line for line in out.stderr.splitlines() if line.startswith("distcomm run:")]
+    assert "rank 2 (local rank 2, pid" in report[0] and "was killed by SIGKILL; the other 2 workers go on" in report[0]
+    assert "rank 2 failed before (--on-worker-failure continue)" in report[-1]
+
+
+def test_on_worker_failure_continue_still_fails_when_the_rest_fail(tmp_path):
+    prog = write(tmp_path, "bad.py", """
+        import os, sys, time
+        if os.environ["RANK"] == "0":
+            sys.exit(4)
+        time.sleep(0.5)
+        sys.exit(5)
+    """)
+    out = launch(["--nproc-per-node", "2", "--on-worker-failure", "continue", prog], tmp_path)
+    assert out.returncode == 1
+    assert "rank 0 (local rank 0, pid" in out.stderr and "the other 1 worker goes on" in out.stderr
+    assert "exited with code 5; no restarts left" in out.stderr
+
+
 # -- signals to the launcher ----------------------------------------------------------------
 
 
@@ -324,6 +375,8 @@ def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
         (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
         (["--no-python", "no-such-program-here"], "'no-such-program-here' not found"),
         (["--master-port", "70000", "p.py"], "--master-port 70000"),
+        (["--on-worker-failure", "continue", "--max-restarts", "1", "p.py"], "drop --max-restarts"),
+        (["--on-worker-failure", "ignore", "p.py"], "invalid choice: 'ignore'"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):

@@ -325,11 +325,18 @@ class Agent:
             self._pump(wait if wait is not None else 3600.0)
             if self.signum is not None:
                 return self._interrupted()
-            failed = next((w for w in self.workers if w.returncode not in (None, 0)), None)
+            failed = next((w for w in self.workers if w.returncode not in (None, 0) and not w.lost), None)
             if failed is not None:
+                if cfg.on_worker_failure == "continue" and any(w.returncode is None for w in self.workers):
+                    self._lost(failed)
+                    continue
                 return self._failed(m, failed)
-            if all(w.returncode == 0 for w in self.workers):
+            if all(w.returncode == 0 or w.lost for w in self.workers):
                 self._stop_workers(signal.SIGTERM, 0)
+                lost = [w.spec.rank for w in self.workers if w.lost]
+                if lost:
+                    _say(f"the remaining workers finished; rank{'s' if len(lost) > 1 else ''} "
+                         f"{', '.join(map(str, lost))} failed before (--on-worker-failure continue)")
                 return self._succeeded(m)
             if multi and not self.store_lost and time.monotonic() >= next_check:
                 next_check = time.monotonic() + cfg.monitor_interval
@@ -376,6 +383,17 @@ class Agent:
             message = f"a launcher on {socket.gethostname()} got {signal_name(sig)}"
             self._store(lambda r: r.abort(r.current_round(), message), None)
         return 128 + sig
+
+    def _lost(self, w: Worker) -> None:
+        """Worker ``w`` failed and the others go on (``--on-worker-failure continue``)."""
+        code = w.returncode
+        assert code is not None
+        w.lost = True
+        others = sum(1 for x in self.workers if x.returncode is None)
+        self._release(w)
+        _say(f"rank {w.spec.rank} (local rank {w.spec.local_rank}, pid {w.pid}) "
+             f"{describe_exit(code)}; the other {others} worker{'s go' if others != 1 else ' goes'} on "
+             f"(--on-worker-failure continue)")
 
     def _failed(self, m: Membership, w: Worker) -> int | None:
         code = w.returncode

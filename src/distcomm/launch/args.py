@@ -43,6 +43,7 @@ class RunConfig:
     host_store: str  # "yes", "no", or "try" (the endpoint is this machine)
     rdzv_id: str
     max_restarts: int = 0
+    on_worker_failure: str = "stop"  # or "continue"
     monitor_interval: float = 0.1
     shutdown_timeout: float = 5.0
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
@@ -80,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help=f"join_timeout (default {DEFAULT_JOIN_TIMEOUT:g}), "
          f"last_call_timeout (default {DEFAULT_LAST_CALL:g})")
     flag("max-restarts", type=int, default=0, help="restarts of the worker group before failing")
+    flag("on-worker-failure", torchrun=False, choices=("stop", "continue"), default="stop",
+         help="stop (default): a failed worker stops the others (restarted if --max-restarts "
+         "allows); continue: the others go on (for programs that shrink_group around it), "
+         "and the launcher exits 0 if they all finish with 0")
     flag("monitor-interval", type=float, default=0.1, help="seconds between health checks")
     flag("shutdown-timeout", type=float, default=5.0,
          help="seconds between SIGTERM and SIGKILL when stopping workers")
@@ -185,6 +190,9 @@ def to_config(args: argparse.Namespace) -> RunConfig:
     for name in ("monitor_interval", "shutdown_timeout"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    if args.on_worker_failure == "continue" and args.max_restarts:
+        raise UsageError("--on-worker-failure continue keeps the others running, so there is nothing "
+                         "to restart: drop --max-restarts")
     if args.rdzv_backend not in (None, "c10d", "static", "distcomm"):
         raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: distcomm supports c10d and static")
     try:
@@ -233,7 +241,8 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         argv=argv, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
         store_host=host, store_port=port, host_store=host_store,
         rdzv_id=args.rdzv_id or "default",
-        max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
+        max_restarts=args.max_restarts, on_worker_failure=args.on_worker_failure,
+        monitor_interval=args.monitor_interval,
         shutdown_timeout=args.shutdown_timeout,
         join_timeout=conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT),
         last_call=conf.get("last_call_timeout", DEFAULT_LAST_CALL),

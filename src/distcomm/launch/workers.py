@@ -49,6 +49,7 @@ class Worker:
     pidfd: int | None = None
     returncode: int | None = None
     stopped_by_us: bool = False
+    lost: bool = False  # failed while the others went on (--on-worker-failure continue)
     open_fds: set[int] = field(default_factory=set)
 
     @property
