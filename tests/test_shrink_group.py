@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from collective_cases import BACKENDS, real_backend, wait_for
+from collective_cases import BACKENDS, init, real_backend, run_world, wait_for
 
 import distcomm as dist
 from distcomm.errors import DistBackendError, DistInputError, DistTypeError
@@ -248,6 +248,49 @@ def test_shrink_abort_fails_the_excluded_ranks_wait(backend, whole):
     assert excluded["error"] is not None, "the excluded rank's all_reduce succeeded"
     assert excluded["seconds"] < 10, f"the excluded rank waited {excluded['seconds']:.1f} s (timeout 60 s)"
     assert "\n" not in excluded["error"]
+
+
+def _store_lost(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Rank 0 hosts the store (init_method tcp://) and dies: the shrink fails clearly, at once,
+    and the old world can still be destroyed."""
+    os.environ["DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE"] = "0"
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                init(rank, world_size, backend, port, timeout=GROUP_TIMEOUT)
+                dist.barrier()
+                time.sleep(0.3)
+                os.kill(os.getpid(), 9)
+            finally:
+                os._exit(3)
+        os.waitpid(pid, 0)
+        return {}
+    init(rank, world_size, backend, port, timeout=GROUP_TIMEOUT)
+    try:
+        dist.barrier()
+        try:
+            dist.all_reduce(np.ones(3))
+        except DistBackendError:
+            pass
+        t0 = time.monotonic()
+        try:
+            dist.shrink_group([0])
+            return {"error": None}
+        except DistBackendError as e:
+            return {"error": str(e), "seconds": time.monotonic() - t0,
+                    "world": (dist.get_rank(), dist.get_world_size())}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrink_without_the_store_fails_clearly(backend):
+    results = run_world(_store_lost, 3, backend, timeout=60)
+    for rank in (1, 2):
+        r = results[rank]
+        assert r["error"] is not None and "store cannot be reached" in r["error"] and "\n" not in r["error"], r
+        assert r["seconds"] < 10 and r["world"] == (rank, 3), r
 
 
 def _bad_input(rank: int, world_size: int, backend: str, port: int) -> list[str]:

@@ -24,7 +24,13 @@ from typing import Any
 from . import api
 from .backend_registry import resolve_backend
 from .debug import hooks as _debug
-from .errors import DistBackendError, DistInputError, DistTypeError
+from .errors import (
+    DistBackendError,
+    DistInputError,
+    DistNetworkError,
+    DistStoreError,
+    DistTypeError,
+)
 from .group import ProcessGroup
 from .store import PrefixStore
 
@@ -110,6 +116,14 @@ def _shrink_world(world: Any, remaining: list[int]) -> ProcessGroup:
     shrinks = world.shrinks + 1
     tag = f"{world.generation}.{shrinks}"
     store = PrefixStore(f"distcomm/{world.generation}/shrink{shrinks}/default_pg", world.base_store)
+    try:
+        store.add("callers", 1)  # the new world meets here: fail early and clearly if it cannot
+    except (DistNetworkError, DistStoreError) as e:
+        raise DistBackendError(
+            f"shrink_group: the job's store cannot be reached ({e}); it must outlive the excluded "
+            f"ranks (`distcomm run` hosts it in the launcher; with init_method env:// or tcp:// "
+            f"rank 0 does)"
+        ) from e
     new = api._World(world.generation, store, rank, len(remaining), world.backend, world.base_store, tag)
     new.shrinks = shrinks
     started = time.monotonic()
