@@ -15,12 +15,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
 import distcomm as dist
 from distcomm.bench._coll_mpi import find_mpirun, mpi_missing
+from distcomm.transport.mpi_watchdog import BlockingWatchdog
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_driver.py")
 COLLECTIVES = ["broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
@@ -164,15 +167,73 @@ def test_form_of_each_collective_depends_only_on_what_every_rank_agrees_on(monke
 
     rt = FakeRuntime()
     rt.multiple = multiple
+    rt.watchdog = BlockingWatchdog(abort=pytest.fail)
+    rt.watchdog.attach()
     monkeypatch.setenv("DISTCOMM_MPI_COLLECTIVES", mode)
     comm = _FakeComm()
     coll = mpi.MpiCollectives(rt, comm, "g")
     _, combine = op_combiner("sum", "float32")
-    for n in (2, mpi.BLOCKING_BYTES // 4 - 1):
-        coll.allreduce(np.zeros(n, np.float32), combine, 1, Deadline(5))
-    coll.allreduce(np.zeros(mpi.BLOCKING_BYTES // 4, np.float32), combine, 1, Deadline(5))
-    coll.barrier(1, Deadline(5))
+    try:
+        for n in (2, mpi.BLOCKING_BYTES // 4 - 1):
+            coll.allreduce(np.zeros(n, np.float32), combine, 1, Deadline(5))
+        coll.allreduce(np.zeros(mpi.BLOCKING_BYTES // 4, np.float32), combine, 1, Deadline(5))
+        coll.barrier(1, Deadline(5))
+    finally:
+        rt.watchdog.detach()
     assert comm.calls == [small, small, large, barrier]
+
+
+def test_watchdog_aborts_a_blocking_call_past_its_deadline_and_only_then():
+    """MPI cannot interrupt a blocking collective: past its deadline the watchdog ends the job
+    (here: records the abort), naming the call; calls that end in time are forgotten."""
+    aborts: list[str] = []
+    dog = BlockingWatchdog(abort=aborts.append, interval=0.05)
+    dog.attach()
+    try:
+        assert not any(t.name == "distcomm-mpi-watchdog" for t in threading.enumerate())  # started lazily
+        done = dog.enter(time.monotonic() + 0.1, 0.1, "MPI_Bcast", 4096)
+        dog.leave(done)  # ended in time
+        time.sleep(0.3)
+        assert aborts == []
+        dog.enter(time.monotonic() + 0.2, 0.2, "MPI_Allreduce", 1 << 20)
+        t0 = time.monotonic()
+        while not aborts and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+    finally:
+        dog.detach()
+    assert len(aborts) == 1, aborts
+    assert aborts[0].startswith("MPI_Allreduce of 1048576 bytes per rank did not complete within 0.2 s")
+    assert "aborts the MPI job" in aborts[0] and "DISTCOMM_MPI_COLLECTIVES=nonblocking" in aborts[0]
+    assert not any(t.name == "distcomm-mpi-watchdog" for t in threading.enumerate())
+
+
+HANG_PROG = """
+import time
+import numpy as np
+import distcomm as dist
+dist.init_process_group("mpi", timeout=2)
+if dist.get_rank() == 0:
+    dist.all_reduce(np.ones(1 << 18, np.float32))   # 1 MiB: MPI's blocking Allreduce; rank 1 never joins
+time.sleep(60)
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_a_blocking_collective_nobody_joins_ends_the_job_at_the_group_timeout(tmp_path):
+    prog = tmp_path / "hang.py"
+    prog.write_text(HANG_PROG)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               DISTCOMM_FLIGHT_RECORDER_DIR=str(tmp_path / "flight"))
+    t0 = time.monotonic()
+    proc = subprocess.run([find_mpirun(), "--oversubscribe", "-n", "2", sys.executable, str(prog)],
+                          capture_output=True, text=True, timeout=80, env=env, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "MPI_Allreduce of 1048576 bytes per rank did not complete within 2 s" in out, out[-3000:]
+    assert took < 40, f"the job ended after {took:.0f} s (group timeout 2 s, rank 1 sleeps 60 s)"
+    assert list((tmp_path / "flight").glob("rank0.json")), "no flight recorder dump"
 
 
 def test_bad_collectives_mode_is_one_clear_line(monkeypatch):

@@ -223,9 +223,10 @@ class MpiCollectives:
       any wait.
     * ``blocking``: every collective is MPI's blocking one.
 
-    A blocking MPI collective waits inside MPI, past the group timeout and
-    through ``destroy_process_group()``, as in any MPI program (an
-    ``async_op=True`` one does so on the group's worker thread).  Without
+    A blocking MPI collective waits inside MPI, through
+    ``destroy_process_group()`` (an ``async_op=True`` one does so on the
+    group's worker thread); past the group timeout the runtime's
+    :class:`~distcomm.transport.mpi_watchdog.BlockingWatchdog` aborts the job.  Without
     ``MPI_THREAD_MULTIPLE`` every collective is non-blocking (the lock
     serialising MPI calls is never held while waiting).
     """
@@ -261,10 +262,14 @@ class MpiCollectives:
             raise self._failed
         limit = self.blocking_bytes
         if self.block_unsized if nbytes is None else (limit is not None and nbytes >= limit):
+            watchdog = self.rt.watchdog  # MPI cannot interrupt the call: past its deadline, the job ends
+            key = watchdog.enter(deadline.at, deadline.seconds, what, nbytes)
             try:
                 block(*args)
             except self.MPI.Exception as e:
                 raise mpi_error(what, e) from None
+            finally:
+                watchdog.leave(key)
             return
         rt = self.rt
         if rt.multiple:  # no lock to take: one call less on every small collective
@@ -392,6 +397,7 @@ class MpiProcessGroup(ChannelProcessGroup):
         #: for all_reduce straight to MPI, or (op, None, ...) when the generic path is needed.
         self._plans: dict[tuple[int, np.dtype], tuple[Any, ...]] = {}
         super().__init__(channel, group_name, timeout, ranks, algorithms=self.collectives)
+        rt.watchdog.attach()
 
     def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Any:
         """A NumPy array with an op MPI computes goes straight to MPI; the rest as any group."""
@@ -438,6 +444,7 @@ class MpiProcessGroup(ChannelProcessGroup):
 
     def _release(self) -> None:
         super()._release()
+        self.rt.watchdog.detach()
         comm, self.comm = self.comm, None
         MPI = self.rt.MPI
         if comm is not None and not MPI.Is_finalized():

@@ -37,6 +37,7 @@ from typing import Any
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError, DistTimeoutError
 from .base import Channel, Request
+from .mpi_watchdog import BlockingWatchdog, abort_mpi_job
 
 __all__ = [
     "INSTALL_HINT",
@@ -99,6 +100,8 @@ class MpiRuntime:
         #: The largest tag MPI allows (an attribute of MPI_COMM_WORLD only; the standard's minimum if absent).
         self.tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
         self._mu = threading.Lock()
+        #: Ends the job when a blocking collective outlives its deadline (groups attach to it).
+        self.watchdog = BlockingWatchdog(abort_mpi_job(MPI))
 
     def world(self) -> Any:
         """This process's private duplicate of ``MPI_COMM_WORLD`` (made once, collectively)."""
