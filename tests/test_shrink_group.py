@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -40,16 +41,16 @@ def _setup(rank: int, world_size: int) -> object:
     return pair
 
 
-def _victim(rank: int, world_size: int, backend: str, port: int) -> dict:
-    """Run this rank in a child that dies by SIGKILL once the survivors wait on it."""
+def _dies(start: Callable[[], object]) -> dict:
+    """This rank, run in a child: ``start()`` (what the others do too), then SIGKILL once the
+    survivors wait on it; this process reports the child's end, so run_ranks keeps the rest."""
     pid = os.fork()
     if pid == 0:
         try:
             import ctypes
 
             ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG: die with this process
-            _init(rank, world_size, backend, port)
-            _setup(rank, world_size)
+            start()
             time.sleep(0.3)
             os.kill(os.getpid(), 9)
         finally:
@@ -58,9 +59,26 @@ def _victim(rank: int, world_size: int, backend: str, port: int) -> dict:
     return {"victim_exit": os.waitstatus_to_exitcode(status)}
 
 
+def _victim(rank: int, world_size: int, backend: str, port: int) -> dict:
+    def start() -> None:
+        _init(rank, world_size, backend, port)
+        _setup(rank, world_size)
+
+    return _dies(start)
+
+
 def _check(bad: list[str], what: str, got: object, expected: object) -> None:
     if got != expected:
         bad.append(f"{what}: got {got!r}, expected {expected!r}")
+
+
+def _expect_destroyed(bad: list[str], what: str, group: object) -> None:
+    try:
+        dist.all_reduce(np.ones(2), group=group)
+        bad.append(f"{what} still works")
+    except DistBackendError as e:
+        if "destroyed" not in str(e):
+            bad.append(f"{what} fails with {e}")
 
 
 def _shrink_after_death(rank: int, world_size: int, backend: str, port: int, victims: list[int]) -> dict:
@@ -108,12 +126,7 @@ def _shrink_after_death(rank: int, world_size: int, backend: str, port: int, vic
                 r.wait()
             _check(bad, "ring message", got.tolist(), [(me - 1) % m, survivors[(me - 1) % m]])
         if rank in (0, 1):  # a member of the group made before the shrink: it is gone
-            try:
-                dist.all_reduce(np.ones(2), group=pair)
-                bad.append("a group made before the shrink still works")
-            except DistBackendError as e:
-                if "destroyed" not in str(e):
-                    bad.append(f"a group made before the shrink fails with {e}")
+            _expect_destroyed(bad, "a group made before the shrink", pair)
         ends = dist.new_group([0, m - 1])  # groups are made in the new numbering
         if me in (0, m - 1):
             z = np.array([survivors[me]], np.int64)
@@ -153,18 +166,12 @@ def _shrink_subgroup(rank: int, world_size: int, backend: str, port: int) -> dic
     """Ranks 1, 2, 3 form a group; rank 2 dies; ranks 1 and 3 shrink that group."""
     os.environ["DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE"] = "0"
     if rank == 2:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _init(rank, world_size, backend, port)
-                dist.new_group([1, 2, 3])
-                dist.barrier()
-                time.sleep(0.3)
-                os.kill(os.getpid(), 9)
-            finally:
-                os._exit(3)
-        _, status = os.waitpid(pid, 0)
-        return {"victim_exit": os.waitstatus_to_exitcode(status)}
+        def start() -> None:
+            _init(rank, world_size, backend, port)
+            dist.new_group([1, 2, 3])
+            dist.barrier()
+
+        return _dies(start)
     store = _init(rank, world_size, backend, port)
     bad: list[str] = []
     try:
@@ -184,12 +191,7 @@ def _shrink_subgroup(rank: int, world_size: int, backend: str, port: int) -> dic
             v = np.array([rank], np.int64)
             dist.all_reduce(v, group=new)
             _check(bad, "all_reduce in the shrunk group", int(v[0]), 4)
-            try:
-                dist.all_reduce(np.ones(3), group=sub)
-                bad.append("the old group still works")
-            except DistBackendError as e:
-                if "destroyed" not in str(e):
-                    bad.append(f"the old group fails with {e}")
+            _expect_destroyed(bad, "the shrunk group", sub)
     finally:
         dist.destroy_process_group()
         store.close()
@@ -255,17 +257,11 @@ def _store_lost(rank: int, world_size: int, backend: str, port: int) -> dict:
     and the old world can still be destroyed."""
     os.environ["DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE"] = "0"
     if rank == 0:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                init(rank, world_size, backend, port, timeout=GROUP_TIMEOUT)
-                dist.barrier()
-                time.sleep(0.3)
-                os.kill(os.getpid(), 9)
-            finally:
-                os._exit(3)
-        os.waitpid(pid, 0)
-        return {}
+        def start() -> None:
+            init(rank, world_size, backend, port, timeout=GROUP_TIMEOUT)
+            dist.barrier()
+
+        return _dies(start)
     init(rank, world_size, backend, port, timeout=GROUP_TIMEOUT)
     try:
         dist.barrier()
