@@ -184,8 +184,19 @@ def shrink(rank: int, ws: int, backend: str, port: int) -> cc.Report:
     return rep
 
 
+def group_arguments(rank: int, ws: int, backend: str, port: int) -> cc.Report:
+    """tests/test_groups.py's newer torch arguments (sort_ranks=False & co.) on MPI groups."""
+    from test_groups import _torch_newer_arguments
+
+    rep = cc.Report(rank)
+    for problem in _torch_newer_arguments(rank, ws, backend, port):
+        rep.fail(problem)
+    rep.cases += 1
+    return rep
+
+
 EXTRA = {"no_rendezvous": no_rendezvous, "mpi_errors": mpi_errors, "op_mapping": op_mapping,
-         "device_mesh": device_mesh, "shrink": shrink}
+         "device_mesh": device_mesh, "shrink": shrink, "group_arguments": group_arguments}
 
 
 def cases() -> dict[str, tuple]:

@@ -77,3 +77,62 @@ def _tcp_subgroup(rank: int, world_size: int, backend: str, port: int) -> list[s
 def test_a_tcp_subgroup_of_a_shared_memory_world(backend):
     for bad in run_world(_tcp_subgroup, 3, backend, timeout=45):
         assert not bad, bad
+
+
+def _torch_newer_arguments(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """new_group(sort_ranks=False) keeps the caller's order as group ranks; new_subgroups'
+    group_desc, split_group's backend and the object functions' use_batch are accepted."""
+    init(rank, world_size, backend, port)
+    bad: list[str] = []
+
+    def expect(what: str, got: object, want: object) -> None:
+        if got != want:
+            bad.append(f"{what}: got {got!r}, expected {want!r}")
+
+    order = [world_size - 1, *range(world_size - 1)]  # not sorted
+    assert sorted(order) == list(range(world_size)) and order != sorted(order)
+    for local in (False, True):
+        g = dist.new_group(order, sort_ranks=False, use_local_synchronization=local)
+        expect("ranks of an unsorted group", dist.get_process_group_ranks(g), order)
+        expect("rank in it", (dist.get_rank(g), dist.get_group_rank(g, rank)), (order.index(rank),) * 2)
+        expect("global rank of group rank 0", dist.get_global_rank(g, 0), order[0])
+        x = np.array([rank], np.int64)
+        dist.broadcast(x, group=g, group_src=0)
+        expect("broadcast from group rank 0", int(x[0]), order[0])
+        y = np.zeros(world_size, np.int64)
+        dist.all_gather_into_tensor(y, np.array([rank], np.int64), group=g)
+        expect("all_gather in group rank order", y.tolist(), order)
+    expect("sorted by default", dist.get_process_group_ranks(dist.new_group(order)), sorted(order))
+    try:
+        dist.new_group(order, sort_ranks="no")
+        bad.append("sort_ranks='no' accepted")
+    except dist.DistTypeError as e:
+        expect("bad sort_ranks", "sort_ranks must be a bool" in str(e), True)
+    mine, _ = dist.new_subgroups(1, group_desc="singles")
+    expect("new_subgroups with group_desc", (dist.get_process_group_ranks(mine), mine.group_name.endswith(":singles")),
+           ([rank], True))
+    part = dist.split_group(split_ranks=[list(range(world_size))], backend=dist.get_backend())
+    expect("split_group with the parent's backend", dist.get_process_group_ranks(part), list(range(world_size)))
+    try:
+        dist.split_group(split_ranks=[list(range(world_size))], backend="mpi" if backend != "mpi" else "tcp")
+        bad.append("split_group with another backend accepted")
+    except dist.DistInputError as e:
+        expect("split_group's backend error", "not the parent group's" in str(e) and "\n" not in str(e), True)
+    objs = [f"from {rank}"] if rank == 0 else [None]
+    if rank == 0:
+        dist.send_object_list(objs, dst=world_size - 1, use_batch=True)
+    elif rank == world_size - 1:
+        dist.recv_object_list(objs, src=0, use_batch=True)
+        expect("objects sent with use_batch", objs, ["from 0"])
+    dist.barrier()
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_newer_group_arguments(backend, world_size):
+    results = run_world(_torch_newer_arguments, world_size, backend, timeout=90)
+    for rank, bad in enumerate(results):
+        assert bad == [], f"rank {rank}: " + "; ".join(bad)

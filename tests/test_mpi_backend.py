@@ -30,7 +30,7 @@ COLLECTIVES = ["broadcast", "all_reduce", "reduce", "all_gather", "all_gather_in
                "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                "barrier"]
 BEHAVIOURS = ["p2p", "groups", "async", "bad_inputs", "reinit", "no_rendezvous", "mpi_errors",
-              "op_mapping", "device_mesh", "shrink", "destroy_pending"]
+              "op_mapping", "device_mesh", "shrink", "group_arguments", "destroy_pending"]
 
 needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=f"no MPI here: {mpi_missing()}")
 

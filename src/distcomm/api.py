@@ -433,15 +433,20 @@ def new_group(
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
     device_id: Any = None,
+    sort_ranks: bool = True,
 ) -> ProcessGroup | _NonMember:
     """Create a group of the given global ranks (all of them by default).
 
     Every rank of the default group must call it, in the same order, unless
     ``use_local_synchronization`` is true, in which case only members do.
-    Non-members get ``GroupMember.NON_GROUP_MEMBER``.
+    Non-members get ``GroupMember.NON_GROUP_MEMBER``.  Group ranks follow the
+    sorted global ranks, or with ``sort_ranks=False`` the order of ``ranks``
+    (the same list on every rank).
     """
     world = _require_world()
-    members = _check_ranks(ranks, world.size)
+    if not isinstance(sort_ranks, bool):
+        raise DistTypeError(f"sort_ranks must be a bool, got {type(sort_ranks).__name__}")
+    members = _check_ranks(ranks, world.size, sort_ranks)
     seconds = world.default.timeout if timeout is None else to_seconds(timeout)
     name_, factory = resolve_backend(backend, world.backend)
     with world.lock:
@@ -469,11 +474,11 @@ def new_group(
     return pg
 
 
-def _check_ranks(ranks: Any, world_size: int) -> list[int]:
+def _check_ranks(ranks: Any, world_size: int, sort: bool = True) -> list[int]:
     if ranks is None:
         return list(range(world_size))
     try:
-        members = sorted(ranks)
+        members = sorted(ranks) if sort else list(ranks)
     except TypeError:
         raise DistTypeError(f"ranks must be a list of ints, got {ranks!r:.80}") from None
     for r in members:
@@ -491,6 +496,7 @@ def new_subgroups_by_enumeration(
     timeout: Timeout | None = None,
     backend: str | None = None,
     pg_options: Any = None,
+    group_desc: str | None = None,
 ) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
     """Create one group per list of ranks; return (this rank's group, all groups)."""
     world = _require_world()
@@ -503,7 +509,7 @@ def new_subgroups_by_enumeration(
     mine = None
     groups = []
     for ranks in ranks_per_subgroup_list:
-        g = new_group(ranks, timeout=timeout, backend=backend)
+        g = new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc)
         groups.append(g)
         if world.rank in ranks:
             mine = g
@@ -516,6 +522,7 @@ def new_subgroups(
     timeout: Timeout | None = None,
     backend: str | None = None,
     pg_options: Any = None,
+    group_desc: str | None = None,
 ) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
     """Split the world into consecutive subgroups of ``group_size`` ranks.
 
@@ -535,7 +542,7 @@ def new_subgroups(
             f"group_size {group_size} does not divide the group's {len(parent)} ranks"
         )
     chunks = [parent[i : i + group_size] for i in range(0, len(parent), group_size)]
-    return new_subgroups_by_enumeration(chunks, timeout=timeout, backend=backend)
+    return new_subgroups_by_enumeration(chunks, timeout=timeout, backend=backend, group_desc=group_desc)
 
 
 def split_group(
@@ -544,9 +551,17 @@ def split_group(
     timeout: Timeout | None = None,
     pg_options: Any = None,
     group_desc: str | None = None,
+    backend: str | None = None,
 ) -> ProcessGroup | None:
-    """Split ``parent_pg`` into disjoint groups of *global* ranks; return this rank's (or None)."""
+    """Split ``parent_pg`` into disjoint groups of *global* ranks; return this rank's (or None).
+    ``backend``, as torch's, keeps a backend of the parent's: here only the parent's own."""
     parent = _group(parent_pg)
+    if backend is not None and resolve_backend(backend, backend)[0] != resolve_backend(
+            parent.backend_name, parent.backend_name)[0]:
+        raise DistInputError(
+            f"split_group: backend {backend!r} is not the parent group's ({parent.backend_name!r}); "
+            f"a split keeps the parent's backend"
+        )
     if not split_ranks:
         raise DistInputError("split_ranks must be a non-empty list of lists of ranks")
     for ranks in split_ranks:

@@ -575,17 +575,25 @@ def scatter_object_list(scatter_object_output_list: list[Any],
 
 
 # -- point to point ------------------------------------------------------------------------
+def _check_use_batch(use_batch: Any) -> None:
+    if not isinstance(use_batch, bool):
+        raise DistTypeError(f"use_batch must be a bool, got {type(use_batch).__name__}")
+
+
 def send_object_list(object_list: list[Any], dst: int | None = None,
                      group: ProcessGroup | None = None, device: Any = None,
-                     group_dst: int | None = None) -> None:
+                     group_dst: int | None = None, use_batch: bool = False) -> None:
     """Send the objects of ``object_list`` to ``dst``, which calls :func:`recv_object_list`.
 
     ``dst`` is a global rank (``group_dst``: a group rank).  Messages use the
     tag :data:`OBJECT_TAG`.  If an object does not pickle, the receiver is told
-    and both ranks raise.  Only use it with trusted peers.
+    and both ranks raise.  Only use it with trusted peers.  ``use_batch`` (torch's:
+    send through the whole group's communicator) changes nothing here: messages
+    always go over the group's connections.
     """
     op = "send_object_list"
     _check_device(device)
+    _check_use_batch(use_batch)
     pg = _c._member(group)
     if pg is None:
         return
@@ -608,16 +616,18 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
 
 def recv_object_list(object_list: list[Any], src: int | None = None,
                      group: ProcessGroup | None = None, device: Any = None,
-                     group_src: int | None = None) -> int:
+                     group_src: int | None = None, use_batch: bool = False) -> int:
     """Receive objects sent by :func:`send_object_list` into ``object_list``.
 
     ``src`` is a global rank (``group_src``: a group rank); with neither, the
     first sender wins.  ``object_list`` must have as many entries as the
     sender's list.  Returns the sender's global rank (-1 on a non-member).
     Only use it with trusted peers: the bytes received are unpickled.
+    ``use_batch``: as in :func:`send_object_list`.
     """
     op = "recv_object_list"
     _check_device(device)
+    _check_use_batch(use_batch)
     pg = _c._member(group)
     if pg is None:
         return -1
