@@ -537,6 +537,16 @@ def _all_gather(c: Cases) -> None:
         for j in range(ws):
             rep.exact(f"{key} [{j}]", out[j], inputs[j])
             rep.agree(f"{key} [{j}]", out[j])
+    # uneven blocks (torch allows them): rank r gives r * 3 + 1 rows, rank 1 none at all
+    for dtype in ("float64", "int8", "bfloat16"):
+        rows = [0 if r == 1 else r * 3 + 1 for r in range(ws)]
+        key = f"all_gather/uneven/{dtype}"
+        inputs = [make(dtype, rows[r] * 5, r, key, shape=(rows[r], 5)) for r in range(ws)]
+        out = [make(dtype, rows[r] * 5, r + ws, key, shape=(rows[r], 5)) for r in range(ws)]
+        dist.all_gather(out, inputs[rank])
+        for j in range(ws):
+            rep.exact(f"{key} [{j}]", out[j], inputs[j])
+            rep.agree(f"{key} [{j}]", out[j])
     key = "all_gather/bytearray"
     inputs = [make("uint8", 7, r, key) for r in range(ws)]
     out = [bytearray(7) for _ in range(ws)]

@@ -52,6 +52,53 @@ def test_recv_of_the_wrong_size_names_the_sender(backend):
     assert result["seconds"] < 10
 
 
+def _splits_disagree(rank: int, world_size: int, backend: str, port: int, op: str) -> dict:
+    """Rank 0 expects 5 elements from rank 1, which sends 2 (the ranks' arguments disagree,
+    so no rank can refuse the call alone): never silently wrong data."""
+    from collective_cases import init
+
+    init(rank, world_size, backend, port, timeout=20)
+    expect = [r + 1 for r in range(world_size)]  # rank r sends r + 1 elements to everyone
+    if rank == 0:
+        expect[1] = 5
+    out = {"error": None, "correct": None, "after": None}
+    try:
+        if op == "all_gather":
+            blocks = [np.zeros(k) for k in expect]
+            dist.all_gather(blocks, np.full(rank + 1, float(rank)))
+            got = np.concatenate(blocks)
+        else:
+            got = np.zeros(sum(expect))
+            dist.all_to_all_single(got, np.full((rank + 1) * world_size, float(rank)),
+                                   output_split_sizes=expect, input_split_sizes=[rank + 1] * world_size)
+        out["correct"] = got.tolist() == [float(r) for r in range(world_size) for _ in range(expect[r])]
+    except dist.DistError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    try:
+        v = np.ones(2)
+        dist.all_reduce(v)
+        out["after"] = v.tolist() == [world_size] * 2
+    except dist.DistError:
+        out["after"] = False
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("op", ["all_to_all_single", "all_gather"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_sizes_that_disagree_never_give_wrong_data(backend, op):
+    results = run_world(_splits_disagree, 3, backend, op, timeout=45)
+    assert results[0]["error"] is not None, f"rank 0 accepted 2 elements as 5: {results}"
+    for rank, r in enumerate(results):
+        if r["error"] is None:
+            assert r["correct"], f"rank {rank} returned wrong data without an error"
+        else:
+            assert "\n" not in r["error"] and r["error"].startswith(("DistBackendError", "DistDesyncError")), r
+    if backend == "shm":  # every rank sees every header: all refuse the call alike, the group goes on
+        assert all(r["error"] and r["error"].startswith("DistDesyncError") for r in results), results
+        assert all(r["after"] for r in results), results
+
+
 # -- in this process ----------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ the messages one rank sends another within one collective.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections import deque
@@ -23,6 +24,39 @@ from ..errors import DistInputError, DistTypeError
 from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
+
+_M63 = (1 << 63) - 1
+_M64 = (1 << 64) - 1
+
+
+def _mix(src: int, dst: int, count: int) -> int:
+    """A well-spread 63-bit hash of one (sender, receiver, count) triple (splitmix64)."""
+    x = (src * 0x9E3779B97F4A7C15 + dst * 0xC2B2AE3D27D4EB4F + count * 0x165667B19E3779F9) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return (x ^ (x >> 31)) & _M63
+
+
+def split_weights(rank: int, size: int) -> tuple[list[int], list[int]]:
+    """``rank``'s weights for :func:`split_hashes` in a group of ``size``: an odd pseudo-random
+    weight per (sender, receiver) pair, its row (what it sends) and its column (what it
+    receives); computed once per group."""
+    return [_mix(rank, j, 0) | 1 for j in range(size)], [_mix(i, rank, 0) | 1 for i in range(size)]
+
+
+def split_hashes(weights: tuple[list[int], list[int]], send_counts: Sequence[int],
+                 recv_counts: Sequence[int]) -> tuple[int, int]:
+    """What a rank of an all-to-all sends and expects, as two 63-bit weighted sums (its
+    :func:`split_weights`): over all ranks the sums of the first and of the second agree
+    exactly when every rank expects from each peer what that peer sends it (a single
+    disagreement always shows; several cancel out with a chance of about 2**-63)."""
+    row, col = weights
+    return sum(map(operator.mul, row, send_counts)) & _M63, sum(map(operator.mul, col, recv_counts)) & _M63
+
+
+def splits_agree(sent: Sequence[int], expected: Sequence[int]) -> bool:
+    """Whether every rank's :func:`split_hashes` (``sent[r]``, ``expected[r]``) fit together."""
+    return sum(sent) & _M63 == sum(expected) & _M63
 
 #: Large messages travel in segments (pipelining) of at least this many bytes ...
 SEGMENT_BYTES = 512 * 1024

@@ -142,11 +142,14 @@ class ChannelProcessGroup(ProcessGroup):
         if not 0 <= root < self._size:
             raise DistInputError(f"{what} {root} is not a rank of this group [0, {self._size})")
 
-    def _check_like(self, ref: ArrayRef, like: ArrayRef, factor: int = 1) -> None:
+    def _check_dtype(self, ref: ArrayRef, like: ArrayRef) -> None:
         if ref.dtype != like.dtype:
             raise DistInputError(
                 f"{ref.what} has dtype {ref.dtype} but {like.what} has {like.dtype}; they must match"
             )
+
+    def _check_like(self, ref: ArrayRef, like: ArrayRef, factor: int = 1) -> None:
+        self._check_dtype(ref, like)
         if ref.numel != like.numel * factor:
             times = f"{factor} x " if factor != 1 else ""
             raise DistInputError(
@@ -216,6 +219,8 @@ class ChannelProcessGroup(ProcessGroup):
     def allgather(self, output_list: Any, tensor: Any, async_op: bool = False) -> Work:
         inp = self._ref(tensor, "tensor", writable=False)
         outs = self._refs(output_list, "tensor_list", n=self._size)
+        if any(o.numel != inp.numel for o in outs):
+            return self._allgather_uneven(output_list, outs, inp, async_op)
         for o in outs:
             self._check_like(o, inp)
         n = inp.numel
@@ -228,6 +233,32 @@ class ChannelProcessGroup(ProcessGroup):
                 o.array[:] = buf[i * n : (i + 1) * n]
 
         return self._submit("all_gather", run, async_op, output_list, (inp.shape, inp.dtype, None, None, None))
+
+    def _allgather_uneven(self, output_list: Any, outs: list[ArrayRef], inp: ArrayRef, async_op: bool) -> Work:
+        """``all_gather`` of blocks of different sizes (as torch allows): rank i's block is
+        ``tensor_list[i]``'s size, which every rank must give alike (DETAIL checks it; else
+        the transfer of a block of another size fails, naming both); sent as an all-to-all."""
+        for o in outs:
+            self._check_dtype(o, inp)
+        mine = outs[self._rank]
+        if mine.numel != inp.numel:
+            raise DistInputError(
+                f"{mine.what} (this rank's block) has {mine.numel} elements but tensor has {inp.numel}; "
+                f"they must match"
+            )
+        counts = [o.numel for o in outs]
+        sends = [inp.numel] * self._size
+        dtype = inp.array.dtype
+
+        def run(seq: int, deadline: Deadline) -> None:
+            send = self._staging.take("a2a_send", dtype, inp.numel * self._size)
+            recv = self._staging.take("a2a_recv", dtype, sum(counts))
+            send.reshape(self._size, inp.numel)[:] = inp.array.reshape(1, -1)
+            self.algorithms.alltoall(send, recv, seq, deadline, send_counts=sends, recv_counts=counts)
+            _unpack(recv, [o.array for o in outs])
+
+        return self._submit("all_gather", run, async_op, output_list,
+                            (None, inp.dtype, None, None, (sends, counts)))
 
     def allgather_into_tensor(self, output: Any, input: Any, async_op: bool = False) -> Work:
         inp = self._ref(input, "input_tensor", writable=False)

@@ -72,9 +72,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..algorithms._common import offsets
+from ..algorithms._common import offsets, split_hashes, split_weights, splits_agree
 from ..arrays import data_address
 from ..deadline import Deadline
+from ..errors import DistDesyncError
 from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
 
@@ -83,7 +84,8 @@ __all__ = ["ShmCollectives", "HEADER"]
 Combine = Callable[[np.ndarray, np.ndarray], None]
 #: Bytes at the start of each slot kept for a small header: 64-bit words,
 #: 0 all_to_all's "more to come", 1 and 2 a heap array's offset and size,
-#: 3 the array's address in its process when peers may read it there (else 0).
+#: 3 the array's address in its process when peers may read it there (else 0),
+#: 4 and 5 all_to_all's split-size hashes (:func:`~distcomm.algorithms._common.split_hashes`).
 HEADER = 64
 #: Bytes of one piece when a direct reduction goes piece by piece (the accumulator
 #: stays in cache while every peer's piece is added; a peer's private piece is read
@@ -177,6 +179,8 @@ class ShmCollectives:
         self._small_key: tuple[np.dtype, int] | None = None
         self._small: list[list[np.ndarray]] = []
         self._headers = [[s[:HEADER].view(np.int64) for s in pair] for pair in slots]
+        self._words = [[memoryview(h) for h in pair] for pair in self._headers]  # (Python ints, read fast)
+        self._split_weights = split_weights(self.rank, self.size)
         self.heaps = heaps
         self.direct_calls = 0
         #: Peers' private memory, read in place (cross-memory attach), or None.
@@ -708,9 +712,12 @@ class ShmCollectives:
                 left = max(left, send_counts[d] - lo - k)
             head = self._headers[me][used[me]]
             head[0] = left
-            if lo == 0 and self.reader is not None:
-                head[2] = even
-                head[3] = data_address(send) if even else 0
+            if lo == 0:
+                words = self._words[me][used[me]]
+                words[4], words[5] = split_hashes(self._split_weights, send_counts, recv_counts)
+                if self.reader is not None:
+                    head[2] = even
+                    head[3] = data_address(send) if even else 0
             self.ctl.post(q)
             more = left > 0
             for j in others:
@@ -720,6 +727,8 @@ class ShmCollectives:
                     recv[r_off[j] + lo : r_off[j] + lo + k] = views[j][used[j]][me * per : me * per + k]
                 more = more or self._headers[j][used[j]][0] > 0
             self._read_until(used[me], q)
+            if lo == 0:
+                self._check_splits(used)
             if lo == 0 and more and even:
                 heads = [self._headers[j][used[j]] for j in range(n)]
                 if all(int(h[2]) == even and int(h[3]) for h in heads):  # every rank alike
@@ -732,6 +741,18 @@ class ShmCollectives:
             if not more:
                 return
             lo += per
+
+    def _check_splits(self, used: list[int]) -> None:
+        """After the first round of an all_to_all (every rank's header seen): raise on every
+        rank alike, the phases still in step, if a rank sends a block of another size than its
+        receiver expects (what was copied from such a block is not the caller's data)."""
+        heads = [self._words[j][used[j]] for j in range(self.size)]
+        if not splits_agree([h[4] for h in heads], [h[5] for h in heads]):
+            raise DistDesyncError(
+                "the ranks' split sizes disagree: a rank sends a block of another size than its "
+                "receiver expects (all_to_all, or all_gather with blocks of different sizes); "
+                "DISTCOMM_DEBUG=DETAIL names the ranks and sizes"
+            )
 
     def _even_block(self, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int],
                     per: int) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..algorithms._common import split_hashes, split_weights, splits_agree
 from ..deadline import Deadline
 from ..errors import DistDesyncError, DistTimeoutError
 from .log import get_logger
@@ -41,7 +42,6 @@ REPORT_BYTES = 2048
 #: Largest group whose check goes straight to every peer, ahead of the collective's data.
 GATED_MAX = 8
 _M63 = (1 << 63) - 1
-_M64 = (1 << 64) - 1
 _A2A = ("all_to_all", "all_to_all_single")
 _ROOT_NAME = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 
@@ -60,14 +60,6 @@ def _common_hash(op: str, info: tuple) -> int:
             _hashes.clear()
         _hashes[key] = h
     return h
-
-
-def _mix(src: int, dst: int, count: int) -> int:
-    """A well-spread 63-bit hash of one (sender, receiver, count) triple (splitmix64)."""
-    x = (src * 0x9E3779B97F4A7C15 + dst * 0xC2B2AE3D27D4EB4F + count * 0x165667B19E3779F9) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return (x ^ (x >> 31)) & _M63
 
 
 def describe(op: str, seq: int, info: tuple) -> dict[str, Any]:
@@ -120,6 +112,7 @@ class DetailChecker:
         self._n = pg.size()
         self._fast = np.zeros(4 * self._n, np.int64)
         self._mine = self._fast[4 * pg.rank() : 4 * pg.rank() + 4]
+        self._weights: tuple[list[int], list[int]] | None = None  # split_weights, on first need
         self._gate = make_gate(self) if 1 < self._n <= GATED_MAX else None
 
     def wrap(self, op: str, info: tuple, run: Callable[[int, Deadline], Any]) -> Callable[[int, Deadline], Any]:
@@ -147,9 +140,9 @@ class DetailChecker:
         mine[1] = h
         counts = info[4]
         if counts is not None:
-            me = self.pg.rank()
-            mine[2] = sum(_mix(me, j, c) for j, c in enumerate(counts[0])) & _M63
-            mine[3] = sum(_mix(i, me, c) for i, c in enumerate(counts[1])) & _M63
+            if self._weights is None:
+                self._weights = split_weights(self.pg.rank(), self._n)
+            mine[2], mine[3] = split_hashes(self._weights, counts[0], counts[1])
         return h
 
     def agree(self, seq: int, info: tuple, h: int) -> bool:
@@ -157,7 +150,7 @@ class DetailChecker:
         n = self._n
         v = self._fast.tolist()
         return v[0::4].count(seq) == n and v[1::4].count(h) == n and (
-            info[4] is None or sum(v[2::4]) & _M63 == sum(v[3::4]) & _M63
+            info[4] is None or splits_agree(v[2::4], v[3::4])
         )
 
     def check(self, op: str, seq: int, info: tuple, deadline: Deadline) -> None:
