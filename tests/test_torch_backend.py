@@ -168,6 +168,10 @@ def api_rank(rank: int, ws: int, port: int) -> list[str]:
         tdist.all_gather(outs, torch.full((2,), rank, dtype=torch.int32))
         for i in range(ws):
             same(f"all_gather[{i}]", outs[i], torch.full((2,), i, dtype=torch.int32))
+        uneven = [torch.zeros(i + 1, 2) for i in range(ws)]  # torch allows blocks of different sizes
+        tdist.all_gather(uneven, torch.full((rank + 1, 2), float(rank)))
+        for i in range(ws):
+            same(f"uneven all_gather[{i}]", uneven[i], torch.full((i + 1, 2), float(i)))
         big = torch.zeros(ws * 3)
         getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)(big, torch.full((3,), float(rank)))
         same("all_gather_into_tensor", big, torch.arange(ws).repeat_interleave(3).float())
