@@ -8,8 +8,13 @@ afterwards returns promptly and leaves no threads.
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 from collective_cases import BACKENDS, run_death_before_first_contact, run_peer_failure, run_world
+
+import distcomm as dist
 
 SCENARIOS = [
     # (world size, victim, how it dies, when)
@@ -66,3 +71,39 @@ def test_death_before_first_contact(backend, tmp_path):
         kind, peer, seconds, text = results[rank]
         assert kind == "DistBackendError" and peer == 1 and "rank 1" in text, results[rank]
         assert seconds < 4, f"rank {rank} heard of rank 1's death after {seconds:.1f} s (timeout 6 s)"
+
+
+def _peer_leaves(rank: int, world_size: int, backend: str, port: int, which: str) -> dict:
+    """Rank 0 destroys its group (``which``: the default one, i.e. everything, or a group of
+    all ranks) and stays alive; the others wait on it in that group."""
+    from collective_cases import init
+
+    init(rank, world_size, backend, port, timeout=60)
+    sub = dist.new_group(list(range(world_size)))
+    dist.barrier()
+    group = None if which == "default" else sub
+    if rank == 0:
+        dist.destroy_process_group(group)
+        time.sleep(4)  # alive, its group gone
+        if group is not None:
+            dist.destroy_process_group()
+        return {}
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(np.ones(4), group=group)
+        out: dict = {"error": None}
+    except dist.DistBackendError as e:
+        out = {"error": str(e), "peer": e.peer, "seconds": time.monotonic() - t0}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["default", "subgroup"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_that_destroys_its_group_fails_the_others_waits_at_once(backend, which):
+    results = run_world(_peer_leaves, 3, backend, which, timeout=45)
+    for rank in (1, 2):
+        r = results[rank]
+        assert r["error"] is not None and "rank 0" in r["error"] and "destroyed" in r["error"], r
+        assert r["seconds"] < 2.5, f"rank {rank} heard after {r['seconds']:.1f} s (rank 0 stayed alive 4 s)"

@@ -166,6 +166,8 @@ class ShmProcessGroup(ChannelProcessGroup):
         super()._abort_transport(cause)
 
     def _release(self) -> None:
+        if self._control is not None:
+            self._control.leave()  # peers waiting on this rank's collectives hear of it now
         super()._release()
         self.algorithms = None
         self._close_memory()

@@ -154,6 +154,8 @@ class Control:
         lines = raw[asleep_end:].view(np.int64).reshape(size, LINE // 8)
         #: Every rank's counter (a memoryview of int64, one per cache line).
         self.counters = memoryview(lines[:, 0])
+        #: Whether each rank destroyed its group (the second word of its counter's line).
+        self._left = memoryview(lines[:, 1])
         base = raw.ctypes.data + asleep_end
         self._addr = [base + r * LINE for r in range(size)]
         self._describe = describe or (lambda r: f"rank {r}")
@@ -189,6 +191,11 @@ class Control:
             self._header[0] = rank + 1
         self._wake_all()
 
+
+    def leave(self) -> None:
+        """Tell the peers this rank destroyed its group: their waits on it fail (within a nap)."""
+        self._left[self.rank] = 1
+        self._wake_all()
 
     def cancel(self, cause: BaseException) -> None:
         """Make this process's waits fail with ``cause`` (within one nap)."""
@@ -256,6 +263,11 @@ class Control:
     def _check_alive(self, peer: int, deadline: Deadline) -> None:
         if self._cancelled is not None:
             raise self._cancelled
+        if self._left[peer]:
+            raise DistBackendError(
+                f"{self._describe(peer)} destroyed its process group while this rank waited for it",
+                peer=self._global[peer],
+            )
         if self._watch is not None and self._watch.dead(peer):
             raise DistBackendError(
                 f"{self._describe(peer)} died (its process exited) while this rank waited for it",

@@ -217,6 +217,9 @@ class TcpTransport:
         self._closed = False
         self._closing = False
         self._aborted: dict[int, BaseException] = {}  # group id -> why it was given up on
+        #: (group id, rank) -> the error of talking to a rank that destroyed the group (LEAVE)
+        self._left: dict[tuple[int, int], BaseException] = {}
+        self._open_groups: dict[int, int] = {}  # group id -> channels open on it (LEAVE for others: ignored)
         host = w.publish_address(master_addr)
         bind = host if host.startswith("127.") or host == "localhost" else ""
         self._listener = socket.create_server((bind, 0), backlog=max(128, size))
@@ -254,6 +257,8 @@ class TcpTransport:
     # -- public ----------------------------------------------------------------
     def channel(self, group_id: int, ranks: list[int]) -> TcpChannel:
         """A channel for the group of process ranks ``ranks`` (group rank = index)."""
+        with self._mu:
+            self._open_groups[group_id] = self._open_groups.get(group_id, 0) + 1
         return TcpChannel(self, group_id, ranks)
 
     def connect_all(self, ranks: list[int]) -> None:
@@ -275,7 +280,7 @@ class TcpTransport:
         n = len(view)
         p = self._peers.get(peer)
         if n <= _COPY_BYTES and p is not None and not p.out and not p.grants and p.state == "up" \
-                and group not in self._aborted:
+                and group not in self._aborted and not self._left:
             # the common small case: one frame, written now, no request object
             frame = w.HEADER.pack(w.DATA, group, tag, n) + view
             sent = 0
@@ -304,8 +309,9 @@ class TcpTransport:
         req.helper = self._help
         with self._mu:
             p, connect = self._peer(peer)
-            if p.state == "dead" or group in self._aborted:
-                req.complete(p.error if p.state == "dead" else self._aborted[group])
+            left = self._left.get((group, peer)) if self._left else None
+            if p.state == "dead" or group in self._aborted or left is not None:
+                req.complete(p.error if p.state == "dead" else left or self._aborted[group])
                 return req
             key = (group, tag)
             granted = p.grants.pop(key, 0) if p.grants else 0
@@ -335,9 +341,10 @@ class TcpTransport:
                 return req
             if peer is not None:
                 p, connect = self._peer(peer)
-                if p.state == "dead" and not self._matcher.has_early(req):
+                left = self._left.get((group, peer)) if self._left else None
+                if (p.state == "dead" or left is not None) and not self._matcher.has_early(req):
                     # (what the peer sent before it left is still delivered, below)
-                    req.complete(p.error)
+                    req.complete(p.error if p.state == "dead" else left)
                     return req
                 if connect:
                     to_connect.append(p)
@@ -393,6 +400,35 @@ class TcpTransport:
                     self._queue(p, _Out(w.HEADER.pack(w.ABORT, group, tag, len(reason)) + reason, None, None))
         for p in peers:
             self._flush(p)
+
+    def leave_group(self, group: int, members: Mapping[int, int]) -> None:
+        """This process destroyed ``group``: tell its connected members (LEAVE), so that their
+        waits on this rank in it fail now; what was sent before still arrives first."""
+        with self._mu:
+            n = self._open_groups.pop(group, 1) - 1
+            if n > 0:  # another channel of this process is still on the group
+                self._open_groups[group] = n
+                return
+            self._aborted.pop(group, None)
+            if self._left:
+                self._left = {k: v for k, v in self._left.items() if k[0] != group}
+            peers = [self._peers[r] for r in members if r in self._peers and r != self.rank]
+            peers = [p for p in peers if p.state == "up"]
+            for p in peers:
+                self._queue(p, _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None))
+        for p in peers:
+            self._flush(p)
+
+    def _on_leave(self, p: _Peer, group: int) -> None:
+        err = DistBackendError(f"rank {p.rank} destroyed its process group", peer=p.rank)
+        with self._mu:
+            if group not in self._open_groups:
+                return  # not a group of this process (or no longer): nothing waits on it
+            self._left[(group, p.rank)] = err  # receives from it posted later fail too
+            self._matcher.fail(err, peer=p.rank, group=group, any_source=False)
+            for key in [k for k in p.waiting if k[0] == group]:  # sends it will never grant
+                for req in p.waiting.pop(key):
+                    req.complete(err)
 
     def close(self) -> None:
         """Stop the progress thread, close every socket, fail what is pending."""
@@ -961,6 +997,8 @@ class TcpTransport:
                         f"rank {p.rank} destroyed its process group", peer=p.rank
                     ), quiet=True)
                 return False
+            elif kind == w.LEAVE:
+                self._on_leave(p, group)
             elif kind == w.ABORT:
                 if nbytes > 65536:
                     raise DistNetworkError(f"rank {p.rank} sent an oversized ABORT frame")
@@ -1348,6 +1386,7 @@ class TcpChannel(Channel):
         self._members = {g: i for i, g in enumerate(ranks)}
         self.rank = self._members[transport.rank]
         self.size = len(ranks)
+        self._closed = False
 
     def isend(self, dst: int, tag: int, data: memoryview) -> Request:
         return self._t.post_send(self._ranks[dst], self._gid, tag, _bytes(data), self._members)
@@ -1361,6 +1400,11 @@ class TcpChannel(Channel):
 
     def cancel(self, cause: BaseException) -> None:
         self._t.cancel_group(self._gid, cause)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._t.leave_group(self._gid, self._members)
 
     def connect_all(self) -> None:
         self._t.connect_all(self._ranks)
