@@ -239,15 +239,18 @@ def _abort_releases_the_excluded(rank: int, world_size: int, backend: str, port:
         store.close()
 
 
+@pytest.mark.parametrize(("flags", "words"), [(1, "abort"), (0, "destroyed its process group")],
+                         ids=["SHRINK_ABORT", "SHRINK_DEFAULT"])
 @pytest.mark.parametrize("whole", [True, False], ids=["default-group", "subgroup"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_shrink_abort_fails_the_excluded_ranks_wait(backend, whole):
+def test_an_excluded_rank_that_waits_hears_of_the_shrink(backend, whole, flags, words):
+    assert (dist.SHRINK_ABORT, dist.SHRINK_DEFAULT) == (1, 0)
     with dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False) as server:
-        results = run_ranks(_abort_releases_the_excluded, 3, backend, server.port, dist.SHRINK_ABORT, whole,
-                            timeout=90)
+        results = run_ranks(_abort_releases_the_excluded, 3, backend, server.port, flags, whole, timeout=90)
     assert results[0] == results[1] == {"sum": 3.0, "size": 2}, results
     excluded = results[2]
     assert excluded["error"] is not None, "the excluded rank's all_reduce succeeded"
+    assert words in excluded["error"], excluded["error"]
     assert excluded["seconds"] < 10, f"the excluded rank waited {excluded['seconds']:.1f} s (timeout 60 s)"
     assert "\n" not in excluded["error"]
 

@@ -3,8 +3,8 @@
 After ranks die or must be left out, the remaining ranks of a group call
 ``shrink_group(ranks_to_exclude, group)`` and get a new group of the rest,
 renumbered 0..m-1 in their old order; the excluded ranks take no part.  The
-old group is destroyed (``SHRINK_ABORT`` first fails what is in flight on it,
-here and on the peers it can still reach).
+old group is destroyed, which its other members hear of (``SHRINK_ABORT``
+first fails what is in flight on it, here and on the peers it can reach).
 
 Shrinking the default group makes the new group the default: every other
 group is destroyed, global ranks are renumbered (``get_rank()`` and
@@ -36,7 +36,7 @@ from .store import PrefixStore
 
 __all__ = ["shrink_group", "SHRINK_DEFAULT", "SHRINK_ABORT"]
 
-#: ``shrink_flags``: destroy the old group, telling no one.
+#: ``shrink_flags``: destroy the old group (peers waiting on this rank there hear it left).
 SHRINK_DEFAULT = 0x00
 #: ``shrink_flags``: abort the old group first (pending operations fail, reachable peers are told).
 SHRINK_ABORT = 0x01

@@ -282,7 +282,7 @@ class Control:
                     peer=culprit,
                 )
             raise DistBackendError(
-                f"{self._describe(by)} aborted the group (an operation failed there)",
+                f"{self._describe(by)} aborted the group (an operation failed there, or it called abort)",
                 peer=self._global[by],
             )
         if deadline.remaining() <= 0:
