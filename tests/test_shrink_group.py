@@ -336,3 +336,38 @@ def test_bad_arguments_are_refused_and_harm_nothing():
         results = run_ranks(_bad_input, 3, "tcp", server.port, timeout=60)
     for rank, bad in enumerate(results):
         assert bad == [], f"rank {rank}: " + "; ".join(bad)
+
+
+def _shrink_twice(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """A job of 4 leaves out its last rank, then the last rank of the 3: two shrinks in a row,
+    each excluded rank alive and leaving by itself."""
+    store = _init(rank, world_size, backend, port)
+    bad: list[str] = []
+    try:
+        names = [dist.group.WORLD.group_name]
+        for size in (4, 3):
+            if dist.get_rank() == size - 1:
+                dist.destroy_process_group()  # leaves the job
+                return bad
+            dist.shrink_group([size - 1])
+            names.append(dist.group.WORLD.group_name)
+            _check(bad, "rank and size", (dist.get_rank(), dist.get_world_size()), (rank, size - 1))
+            _check(bad, "groups after the shrink", dist.get_pg_count(), 1)
+            v = np.array([rank + 1.0])
+            dist.all_reduce(v)
+            _check(bad, "all_reduce", float(v[0]), (size - 1) * size / 2)
+        _check(bad, "distinct group names", len(set(names)), 3)
+        dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        store.close()
+    return bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrink_twice(backend):
+    with dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False) as server:
+        results = run_ranks(_shrink_twice, 4, backend, server.port, timeout=90)
+    for rank, bad in enumerate(results):
+        assert bad == [], f"rank {rank}: " + "; ".join(bad)

@@ -113,7 +113,7 @@ def _shrink_world(world: Any, remaining: list[int]) -> ProcessGroup:
     old = world.default
     rank = remaining.index(old.rank())
     _, factory = resolve_backend(world.backend, world.backend)
-    shrinks = world.shrinks + 1
+    world.shrinks = shrinks = world.shrinks + 1  # a failed attempt's number is not used again
     tag = f"{world.generation}.{shrinks}"
     store = PrefixStore(f"distcomm/{world.generation}/shrink{shrinks}/default_pg", world.base_store)
     try:
