@@ -144,3 +144,17 @@ def test_bench_debug_command(capsys, tmp_path):
     assert "DETAIL/OFF" in text and "tcp" in text
     data = json.loads(out.read_text())
     assert set(data["overhead"]["tcp"]["median_us"]) == {"no recorder", "OFF", "DETAIL"}
+
+
+@pytest.mark.timeout(90)
+def test_bench_debug_failures(capsys, tmp_path):
+    """--failures: a SIGKILLed rank is reported, the survivors shrink_group around it and go on."""
+    from distcomm.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "debug", "--backends", "tcp", "--iters", "2", "--repeat", "2", "--failures",
+                 "--fail-timeout", "0.5", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "then shrink_group([2]) took" in text, text
+    f = json.loads(out.read_text())["failures"]["tcp"]
+    assert f["sigkill_names_victim"] and f["resumed"], f

@@ -8,7 +8,8 @@
   machine hits every mode alike); medians and ratios are reported.
 * **failures** (``--failures``, 4 ranks): seconds from a SIGKILL of rank 2
   in the middle of large ``all_reduce`` calls to each survivor's error (and
-  whether the error names rank 2); seconds past the timeout until rank 0
+  whether the error names rank 2), then of the survivors' ``shrink_group([2])``
+  and their first ``all_reduce`` after it; seconds past the timeout until rank 0
   reports rank 2 alive but no longer calling collectives, with
   ``monitored_barrier`` and with a plain ``all_reduce``.
 """
@@ -136,6 +137,14 @@ def kill_rank(rank: int, size: int, backend: str, port: int, victim: int, stamp:
             time.sleep(0.01)
         with open(stamp) as f:
             out["seconds"] = now - float(f.read())
+        # then the survivors go on without it: shrink the default group, one small all_reduce
+        t0 = time.monotonic()
+        dist.shrink_group([victim])
+        t1 = time.monotonic()
+        small = np.ones(256, np.float32)
+        dist.all_reduce(small)
+        out.update(shrink_seconds=t1 - t0, resume_seconds=time.monotonic() - t1,
+                   resumed=bool(small[0] == size - 1))
     finally:
         dist.destroy_process_group()
     return out
@@ -196,6 +205,9 @@ def measure(cfg: DebugBenchConfig, progress) -> dict[str, Any]:
             "sigkill_names_victim": all(r.get("peer") == odd and f"rank {odd}" in r.get("error", "")
                                         for r in survivors),
             "sigkill_errors": [r.get("error") for r in survivors],
+            "shrink_seconds": max(r.get("shrink_seconds", float("nan")) for r in survivors),
+            "resume_seconds": max(r.get("resume_seconds", float("nan")) for r in survivors),
+            "resumed": all(r.get("resumed") for r in survivors),
         }
         for how in ("monitored_barrier", "all_reduce"):
             res = run_ranks(silent_rank, size, backend, free_port(), how, cfg.fail_timeout, odd, timeout=120)
@@ -223,6 +235,9 @@ def format_results(res: dict[str, Any]) -> str:
         lines.append(f"{backend}, {FAILURE_RANKS} ranks: SIGKILL of rank {odd} during all_reduce: survivors raised "
                      f"after {', '.join(f'{s:.3f}' for s in f['sigkill_seconds'])} s; "
                      f"errors name rank {odd}: {f['sigkill_names_victim']}")
+        lines.append(f"{backend}: then shrink_group([{odd}]) took {f['shrink_seconds']:.3f} s (slowest survivor) "
+                     f"and the first all_reduce of the {FAILURE_RANKS - 1} left {f['resume_seconds']:.3f} s; "
+                     f"correct: {f['resumed']}")
         for how in ("monitored_barrier", "all_reduce"):
             h = f[how]
             lines.append(f"{backend}, {FAILURE_RANKS} ranks: rank {odd} alive but silent, rank 0 in {how} "
