@@ -4,7 +4,9 @@ One :class:`_World` per initialisation holds the default group, the store,
 every group created since, and the backend's shared resources.
 ``destroy_process_group()`` tears all of it down so a later
 ``init_process_group()`` starts clean; group names carry the initialisation's
-number, so they never collide across re-initialisations.
+number, so they never collide across re-initialisations.  ``shrink_group``
+of the default group (:mod:`distcomm.shrink`) puts a new ``_World`` of the
+remaining ranks in its place (same store; names tagged ``<number>.<k>``).
 """
 
 from __future__ import annotations
