@@ -59,7 +59,9 @@ def _splits_disagree(rank: int, world_size: int, backend: str, port: int, op: st
 
     init(rank, world_size, backend, port, timeout=20)
     expect = [r + 1 for r in range(world_size)]  # rank r sends r + 1 elements to everyone
-    if rank == 0:
+    if op == "all_to_all_even":  # every rank sends 2 to each; rank 0 expects 3 from the others
+        expect = [2 if rank != 0 or r == 0 else 3 for r in range(world_size)]
+    elif rank == 0:
         expect[1] = 5
     out = {"error": None, "correct": None, "after": None}
     try:
@@ -68,9 +70,10 @@ def _splits_disagree(rank: int, world_size: int, backend: str, port: int, op: st
             dist.all_gather(blocks, np.full(rank + 1, float(rank)))
             got = np.concatenate(blocks)
         else:
+            sends = [2 if op == "all_to_all_even" else rank + 1] * world_size
             got = np.zeros(sum(expect))
-            dist.all_to_all_single(got, np.full((rank + 1) * world_size, float(rank)),
-                                   output_split_sizes=expect, input_split_sizes=[rank + 1] * world_size)
+            dist.all_to_all_single(got, np.full(sum(sends), float(rank)),
+                                   output_split_sizes=expect, input_split_sizes=sends)
         out["correct"] = got.tolist() == [float(r) for r in range(world_size) for _ in range(expect[r])]
     except dist.DistError as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -84,7 +87,7 @@ def _splits_disagree(rank: int, world_size: int, backend: str, port: int, op: st
     return out
 
 
-@pytest.mark.parametrize("op", ["all_to_all_single", "all_gather"])
+@pytest.mark.parametrize("op", ["all_to_all_single", "all_to_all_even", "all_gather"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_split_sizes_that_disagree_never_give_wrong_data(backend, op):
     results = run_world(_splits_disagree, 3, backend, op, timeout=45)
@@ -93,7 +96,8 @@ def test_split_sizes_that_disagree_never_give_wrong_data(backend, op):
         if r["error"] is None:
             assert r["correct"], f"rank {rank} returned wrong data without an error"
         else:
-            assert "\n" not in r["error"] and r["error"].startswith(("DistBackendError", "DistDesyncError")), r
+            assert "\n" not in r["error"] and r["error"].startswith(
+                ("DistBackendError", "DistDesyncError", "DistInputError")), r
     if backend == "shm":  # every rank sees every header: all refuse the call alike, the group goes on
         assert all(r["error"] and r["error"].startswith("DistDesyncError") for r in results), results
         assert all(r["after"] for r in results), results

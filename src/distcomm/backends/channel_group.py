@@ -362,6 +362,7 @@ class ChannelProcessGroup(ProcessGroup):
         dtype = (outs or ins)[0].array.dtype
         send_counts = [r.numel for r in ins]
         recv_counts = [r.numel for r in outs]
+        _check_own_block(send_counts, recv_counts, self._rank, "all_to_all")
 
         def run(seq: int, deadline: Deadline) -> None:
             send = self._staging.take("a2a_send", dtype, sum(send_counts))
@@ -379,12 +380,30 @@ class ChannelProcessGroup(ProcessGroup):
         self, output: Any, input: Any, output_split_sizes: Sequence[int] | None,
         input_split_sizes: Sequence[int] | None, async_op: bool = False,
     ) -> Work:
+        if (not async_op and output_split_sizes is None and input_split_sizes is None
+                and type(output) is np.ndarray and type(input) is np.ndarray):
+            # the lean lane of an even split (as all_reduce's): plain C-contiguous arrays of one
+            # shape and native dtype, rows divisible by the group size, apart in memory, the
+            # group idle; anything else, bad input included, takes the ordinary path
+            shape = output.shape
+            name = native_dtype_name(output.dtype)
+            if (name is not None and input.dtype is output.dtype and input.shape == shape and shape
+                    and not shape[0] % self._size and output.flags.c_contiguous and output.flags.writeable
+                    and input.flags.c_contiguous and not np.may_share_memory(output, input)
+                    and self._claim_plain()):  # (_run_claimed releases the claim)
+                counts = [output.size // self._size] * self._size
+                return self._run_claimed(
+                    "all_to_all_single", next(self._seqs), (shape, name, None, None, (counts, counts)),
+                    _alltoall_even, self.timeout, output,
+                    (self.algorithms, input.reshape(-1), output.reshape(-1), counts),
+                )
         out = self._ref(output, "output")
         inp = self._ref(input, "input", writable=False)
         if out.dtype != inp.dtype:
             raise DistInputError(f"output has dtype {out.dtype} but input has {inp.dtype}; they must match")
         recv_counts = self._splits(out, output_split_sizes, "output_split_sizes")
         send_counts = self._splits(inp, input_split_sizes, "input_split_sizes")
+        _check_own_block(send_counts, recv_counts, self._rank, "all_to_all_single")
         if _overlaps(out.array, inp.array):
             raise DistInputError("all_to_all_single output and input must not overlap")
 
@@ -528,6 +547,22 @@ class _RequestWork(Work):
             self.wait()
         except BaseException:  # noqa: BLE001 - delivered through the future
             pass
+
+
+def _check_own_block(send_counts: list[int], recv_counts: list[int], rank: int, op: str) -> None:
+    """The block a rank sends itself must be the size it expects from itself (known here,
+    so refused before anything is sent)."""
+    if send_counts[rank] != recv_counts[rank]:
+        raise DistInputError(
+            f"{op}: this rank (group rank {rank}) sends itself {send_counts[rank]} elements but expects "
+            f"{recv_counts[rank]}; its input and output splits must agree on its own block"
+        )
+
+
+def _alltoall_even(algorithms: Any, send: np.ndarray, recv: np.ndarray, counts: list[int], seq: int,
+                   deadline: Deadline) -> None:
+    """``algorithms.alltoall`` with ``counts`` both ways (the even all_to_all_single's lean lane)."""
+    algorithms.alltoall(send, recv, seq, deadline, send_counts=counts, recv_counts=counts)
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
