@@ -191,7 +191,6 @@ class Control:
             self._header[0] = rank + 1
         self._wake_all()
 
-
     def leave(self) -> None:
         """Tell the peers this rank destroyed its group: their waits on it fail (within a nap)."""
         self._left[self.rank] = 1

@@ -280,7 +280,7 @@ class TcpTransport:
         n = len(view)
         p = self._peers.get(peer)
         if n <= _COPY_BYTES and p is not None and not p.out and not p.grants and p.state == "up" \
-                and group not in self._aborted and not self._left:
+                and group not in self._aborted and (not self._left or (group, peer) not in self._left):
             # the common small case: one frame, written now, no request object
             frame = w.HEADER.pack(w.DATA, group, tag, n) + view
             sent = 0
