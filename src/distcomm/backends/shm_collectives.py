@@ -75,7 +75,7 @@ import numpy as np
 from ..algorithms._common import offsets, split_hashes, split_weights, splits_agree
 from ..arrays import data_address
 from ..deadline import Deadline
-from ..errors import DistDesyncError, DistInputError
+from ..errors import DistDesyncError
 from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
 
@@ -696,12 +696,7 @@ class ShmCollectives:
                 self._alltoall_one_slot(send, recv, send_counts, views, deadline)
                 return
         s_off, r_off = offsets(send_counts), offsets(recv_counts)  # (np.cumsum: 10 us here)
-        if send_counts[me] == recv_counts[me]:  # (else the split check below fails every rank)
-            recv[r_off[me] : r_off[me + 1]] = send[s_off[me] : s_off[me + 1]]
-        elif n == 1:
-            raise DistInputError(
-                f"all_to_all: this rank sends itself {send_counts[me]} elements but expects {recv_counts[me]}"
-            )
+        recv[r_off[me] : r_off[me + 1]] = send[s_off[me] : s_off[me + 1]]  # (sizes checked by the group)
         if n == 1:
             return
         views = self._views(send.dtype)
