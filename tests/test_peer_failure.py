@@ -81,6 +81,13 @@ def _peer_leaves(rank: int, world_size: int, backend: str, port: int, which: str
     init(rank, world_size, backend, port, timeout=60)
     sub = dist.new_group(list(range(world_size)))
     dist.barrier()
+    # Rank 0 leaves only once every rank is past the barrier (it can finish first, and a
+    # rank still in it would fail there, not in the all_reduce this test times).
+    with dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=30) as store:
+        past = store.add("past barrier", 1)
+        while rank == 0 and past < world_size:
+            time.sleep(0.01)
+            past = store.add("past barrier", 0)
     group = None if which == "default" else sub
     if rank == 0:
         dist.destroy_process_group(group)
