@@ -191,3 +191,39 @@ def test_shm_across_machines_is_refused_with_advice():
     texts = run_ranks(_not_one_host, 2, free_port(), timeout=60)
     for t in texts:
         assert "one machine" in t and "'auto'" in t and "\n" not in t
+
+
+@pytest.mark.parametrize("how", ["left", "exited"])
+def test_a_peer_that_posts_and_then_goes_is_not_reported_as_gone(how):
+    """A peer that posts the phase a rank waits for and then leaves (or exits: the normal
+    end of a program) between that rank's read of its counter and its check of the peer
+    must not fail the wait: the post came first."""
+    from distcomm.deadline import Deadline
+    from distcomm.transport.shm_sync import Control, control_bytes
+
+    mem = memoryview(bytearray(control_bytes(2)))
+    poster, waiter = Control(mem, 0, 2), Control(mem, 1, 2)
+    waiter.spin_s = waiter.yield_s = 0.0  # straight to the sleeping wait, which checks the peer
+    gone = {"left": False}
+    if how == "exited":  # a watch that says the peer's process is gone once it posted
+        class _Watch:
+            def dead(self, rank: int) -> bool:
+                return gone["left"]
+
+            def close(self) -> None:
+                pass
+
+        waiter._watch = _Watch()  # type: ignore[assignment]
+    check = waiter._check_alive
+
+    def racing(peer: int, deadline: Deadline) -> None:
+        poster.post(1)  # after the waiter read the counter, before it looks at the peer
+        if how == "left":
+            poster.leave()
+        gone["left"] = True
+        check(peer, deadline)
+
+    waiter._check_alive = racing  # type: ignore[method-assign]
+    waiter.wait(0, 1, Deadline(5))
+    with pytest.raises(DistBackendError, match="rank 0 (destroyed|died)"):
+        waiter.wait(0, 2, Deadline(5))  # a phase it never posts: the departure is reported
