@@ -9,7 +9,7 @@ Each rank watches its peers' processes (pidfds): a rank that dies makes the
 others' waits fail within :data:`~distcomm.transport.shm_sync.NAP` seconds,
 naming it.
 
-``DISTCOMM_SHM_SLOT_BYTES`` sets the slot size (default 512 KiB: large
+``DISTCOMM_SHM_SLOT_BYTES`` sets the data bytes of a slot (default 512 KiB: large
 collectives go through in rounds of one slot) and ``DISTCOMM_SHM_SMALL_BYTES``
 the largest ``all_reduce`` done in one phase by every rank (default 64 KiB).
 
@@ -48,7 +48,7 @@ from ..transport.shm_heap import Heap, SharedHeaps, heap_bytes
 from ..transport.shm_segment import Segment, host_key, open_shared
 from ..transport.shm_sync import LINE, Control, control_bytes
 from .channel_group import ChannelProcessGroup
-from .shm_collectives import ShmCollectives
+from .shm_collectives import HEADER, ShmCollectives
 
 __all__ = ["ShmProcessGroup", "ShmBackend", "check_one_host"]
 
@@ -70,9 +70,10 @@ def _env_bytes(name: str, default: int, low: int) -> int:
 
 
 def slot_bytes() -> int:
-    """Bytes of one slot (its header included), a multiple of 64."""
+    """Bytes of one slot: its data, a multiple of 64, and the header before it (so that a
+    power-of-two collective fills whole slots instead of leaving a round of a few bytes)."""
     size = _env_bytes("DISTCOMM_SHM_SLOT_BYTES", 512 * 1024, 4096)
-    return (size + LINE - 1) // LINE * LINE
+    return (size + LINE - 1) // LINE * LINE + HEADER
 
 
 class ShmProcessGroup(ChannelProcessGroup):
