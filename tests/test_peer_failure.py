@@ -8,6 +8,9 @@ afterwards returns promptly and leaves no threads.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -114,3 +117,53 @@ def test_a_peer_that_destroys_its_group_fails_the_others_waits_at_once(backend, 
         r = results[rank]
         assert r["error"] is not None and "rank 0" in r["error"] and "destroyed" in r["error"], r
         assert r["seconds"] < 2.5, f"rank {rank} heard after {r['seconds']:.1f} s (rank 0 stayed alive 4 s)"
+
+
+def _interrupted(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Rank 1 gets Ctrl-C (SIGINT) while it waits in an all_reduce the others join late."""
+    from collective_cases import init
+
+    init(rank, world_size, backend, port, timeout=60)
+    dist.barrier()
+    if rank != 1:
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        out: dict = {"error": None}
+        for _ in range(2):  # the first may complete: on shm rank 1's data was all there
+            try:
+                dist.all_reduce(np.ones(4))
+            except dist.DistBackendError as e:
+                out = {"error": str(e), "peer": e.peer, "seconds": time.monotonic() - t0}
+                break
+        dist.destroy_process_group()
+        return out
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(np.ones(4))
+        out = {"interrupted": None}
+    except KeyboardInterrupt:
+        out = {"interrupted": time.monotonic() - t0}
+    timer.join()
+    try:
+        dist.all_reduce(np.ones(4))
+        out["after"] = "no error"
+    except dist.DistBackendError as e:
+        out["after"] = str(e)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_in_a_collective_raises_there_and_the_others_are_told(backend):
+    results = run_world(_interrupted, 3, backend, timeout=45)
+    me = results[1]
+    assert me["interrupted"] is not None and me["interrupted"] < 2, me  # KeyboardInterrupt, at once
+    assert "broken" in me["after"] and me["after"].endswith("failed on rank 1: KeyboardInterrupt"), me
+    for rank in (0, 2):
+        r = results[rank]
+        assert r["error"] is not None and r["peer"] == 1, r
+        assert "rank 1 gave up on the group" in r["error"] and "KeyboardInterrupt" in r["error"], r
+        assert r["seconds"] < 5, r

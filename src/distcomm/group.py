@@ -305,10 +305,22 @@ class ProcessGroup:
             err = e
         if err is not e:
             err.__cause__ = e
-        self.abort(err)
+        # what breaks the group and what peers are told: a KeyboardInterrupt (or a bug) in the
+        # middle of an operation is raised here as it is, but named for the others
+        cause = err if isinstance(err, DistError) else DistBackendError(
+            f"{what} on group {self.group_name!r} failed on rank {self._rank}: {_exception_text(e)}",
+            op=op, seq=seq, group=self.group_name, rank=self._rank,
+        )
+        self.abort(cause)
         if _rec.on_failure is not None:
-            _rec.on_failure(self, err)
+            _rec.on_failure(self, cause)
         return err
+
+
+def _exception_text(e: BaseException) -> str:
+    """``ValueError: bad``, or ``KeyboardInterrupt`` for an exception without a message."""
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _other_facts(e: BaseException) -> dict[str, Any]:

@@ -120,6 +120,7 @@ class ShmProcessGroup(ChannelProcessGroup):
         except BaseException:
             self._close_memory()
             raise
+        self._control.reason = lambda r: channel.abort_reason(r)[0]
         super().__init__(channel, group_name, timeout, ranks, algorithms=collectives)
 
     @staticmethod
@@ -160,11 +161,11 @@ class ShmProcessGroup(ChannelProcessGroup):
         super()._cancel_pending(cause)
 
     def _abort_transport(self, cause: BaseException) -> None:
+        super()._abort_transport(cause)  # first: the channel keeps the reason peers read
         if self._control is not None:
             culprit = getattr(cause, "peer", None)
             self._control.abort(self._rank, culprit if isinstance(culprit, int) else None)
             self._control.cancel(cause)
-        super()._abort_transport(cause)
 
     def _release(self) -> None:
         if self._control is not None:

@@ -887,16 +887,23 @@ class ShmChannel(Channel):
             watch = self._watch[p] = _PeerWatch({p: int(pid)})
         return watch.dead(p)
 
-    def _abort_error(self, by: int) -> DistBackendError:
-        q = self._q
+    def abort_reason(self, by: int) -> tuple[str, int | None]:
+        """What rank ``by`` wrote when it gave up on the group ("" if nothing, or the
+        channel is closed) and the rank it blamed (None if none)."""
+        q, mem = self._q, self._mem
+        if q is None or mem is None:
+            return "", None
         i = self._rank_i[by]
-        lost = q[i + _R_LOST] - 1  # type: ignore[index]
-        n = q[i + _R_REASON_LEN]  # type: ignore[index]
+        lost = q[i + _R_LOST] - 1
+        n = q[i + _R_REASON_LEN]
         start = (i << 3) + _REASON_OFF
-        reason = bytes(self._mem[start : start + n]).decode("utf-8", "replace")  # type: ignore[index]
+        return bytes(mem[start : start + n]).decode("utf-8", "replace"), (lost if lost >= 0 else None)
+
+    def _abort_error(self, by: int) -> DistBackendError:
+        reason, lost = self.abort_reason(by)
         return DistBackendError(
             f"{self._describe(by)} gave up on the group: {reason}",
-            rank=self.rank, peer=lost if lost >= 0 else by,
+            rank=self.rank, peer=by if lost is None else lost,
         )
 
     def _depart(self, p: int, err: BaseException, crashed: bool) -> None:

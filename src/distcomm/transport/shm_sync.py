@@ -162,6 +162,8 @@ class Control:
         self._global = ranks or list(range(size))  # group rank -> the rank errors name as ``peer``
         self._watch: _PeerWatch | None = None
         self._cancelled: BaseException | None = None
+        #: ``reason(r)``: what group rank r said when it aborted the group ("" if nothing), or None.
+        self.reason: Callable[[int], str] | None = None
         self._seen_all = 0  # every counter was >= this when last looked at
         #: Seconds of spinning, then of yielding, before a wait sleeps.
         self.spin_s, self.yield_s = wait_budget(local_ranks or size)
@@ -269,6 +271,23 @@ class Control:
     def _check_alive(self, peer: int, deadline: Deadline) -> None:
         if self._cancelled is not None:
             raise self._cancelled
+        # an aborted group first: peers that left or exited since may have done so because of
+        # it, and the abort names the cause
+        by = self.aborted_by()
+        if by is not None:
+            culprit = int(self._header[1]) - 1
+            reason = self.reason(by) if self.reason is not None else ""
+            if culprit >= 0 and culprit != self._global[by]:
+                raise DistBackendError(
+                    f"rank {culprit} failed, as {self._describe(by)} found and aborted the group"
+                    + (f": {reason}" if reason else ""),
+                    peer=culprit,
+                )
+            raise DistBackendError(
+                f"{self._describe(by)} gave up on the group: {reason}" if reason else
+                f"{self._describe(by)} aborted the group (an operation failed there, or it called abort)",
+                peer=self._global[by],
+            )
         if self._left[peer]:
             raise DistBackendError(
                 f"{self._describe(peer)} destroyed its process group while this rank waited for it",
@@ -278,18 +297,6 @@ class Control:
             raise DistBackendError(
                 f"{self._describe(peer)} died (its process exited) while this rank waited for it",
                 peer=self._global[peer],
-            )
-        by = self.aborted_by()
-        if by is not None:
-            culprit = int(self._header[1]) - 1
-            if culprit >= 0 and culprit != self._global[by]:
-                raise DistBackendError(
-                    f"rank {culprit} failed, as {self._describe(by)} found and aborted the group",
-                    peer=culprit,
-                )
-            raise DistBackendError(
-                f"{self._describe(by)} aborted the group (an operation failed there, or it called abort)",
-                peer=self._global[by],
             )
         if deadline.remaining() <= 0:
             raise DistTimeoutError(

@@ -1086,7 +1086,7 @@ class TcpTransport:
 
     def _on_abort(self, p: _Peer, group: int, lost: int, data) -> None:
         reason = bytes(data).decode("utf-8", "replace")
-        peer = None if lost == w.NO_RANK else lost
+        peer = p.rank if lost == w.NO_RANK else lost  # the cause, else the rank that gave up
         err = DistBackendError(f"rank {p.rank} gave up on the group: {reason}", peer=peer)
         with self._mu:
             self._aborted.setdefault(group, err)  # receives posted later fail too
