@@ -318,8 +318,8 @@ class ProcessGroup:
 
 
 def _exception_text(e: BaseException) -> str:
-    """``ValueError: bad``, or ``KeyboardInterrupt`` for an exception without a message."""
-    text = str(e)
+    """``ValueError: bad`` (the first line), or ``KeyboardInterrupt`` for an exception without a message."""
+    text = str(e).strip().split("\n", 1)[0]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
