@@ -116,7 +116,7 @@ class ShmProcessGroup(ChannelProcessGroup):
             remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 1 << 20, 0)
             collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
-                                      describe=describe, local_ranks=local_ranks)
+                                      describe=describe, local_ranks=local_ranks, ranks=ranks)
         except BaseException:
             self._close_memory()
             raise

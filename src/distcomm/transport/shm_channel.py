@@ -240,6 +240,7 @@ class ShmChannel(Channel):
         timeout: float,
         describe: Callable[[int], str] | None = None,
         local_ranks: int | None = None,
+        ranks: list[int] | None = None,
     ) -> ShmChannel:
         """Open the channel of a group (every rank calls it; ``store`` is the group's own)."""
         if not isinstance(size, int) or size < 1 or not isinstance(rank, int) or not 0 <= rank < size:
@@ -252,7 +253,7 @@ class ShmChannel(Channel):
             ring = int(store.get(_RING_KEY))
         seg = open_shared(store, rank, size, "p2p", layout_bytes(size, ring), timeout)
         try:
-            return cls(seg, rank, size, ring, timeout, describe, local_ranks)
+            return cls(seg, rank, size, ring, timeout, describe, local_ranks, ranks)
         except BaseException:
             seg.close()
             raise
@@ -266,6 +267,7 @@ class ShmChannel(Channel):
         timeout: float,
         describe: Callable[[int], str] | None = None,
         local_ranks: int | None = None,
+        ranks: list[int] | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -273,6 +275,7 @@ class ShmChannel(Channel):
         self._R = R = ring_bytes
         self._timeout = timeout
         self._describe = describe or (lambda r: f"rank {r}")
+        self._global = ranks or list(range(size))  # group rank -> the rank errors name as ``peer``
         self._lock = threading.Lock()
         self._mem: memoryview | None = seg.buf
         self._q: memoryview | None = seg.buf.cast("q")
@@ -611,7 +614,7 @@ class ShmChannel(Channel):
         self._complete(s, DistBackendError(
             f"this rank sent {s.n} bytes but {self._describe(p)} expected {expected} "
             f"({tag_text(s.tag)}): the ranks passed arrays of different sizes",
-            rank=self.rank, peer=p,
+            rank=self.rank, peer=self._global[p],
         ))
 
     def _pull(self, p: int) -> bool:
@@ -734,7 +737,7 @@ class ShmChannel(Channel):
         return DistBackendError(
             f"{self._describe(src)} sent {n} bytes but {expected} were expected "
             f"({tag_text(tag)}): the ranks passed arrays of different sizes",
-            rank=self.rank, peer=src,
+            rank=self.rank, peer=self._global[src],
         )
 
     def _complete(self, req: _Send | _Recv, error: BaseException | None = None) -> None:
@@ -845,7 +848,8 @@ class ShmChannel(Channel):
             op = "recv"
         return DistTimeoutError(
             f"timed out after {deadline.seconds:g} s {what}",
-            timeout=deadline.seconds, rank=self.rank, peer=req.peer, op=op,
+            timeout=deadline.seconds, rank=self.rank, op=op,
+            peer=None if req.peer is None else self._global[req.peer],
         )
 
     # -- failure --------------------------------------------------------------------------
@@ -865,17 +869,17 @@ class ShmChannel(Channel):
             state = q[self._rank_i[p] + _R_STATE]  # type: ignore[index]
             if state == _CLOSED:
                 self._depart(p, DistBackendError(
-                    f"{self._describe(p)} destroyed its process group", rank=self.rank, peer=p,
+                    f"{self._describe(p)} destroyed its process group", rank=self.rank, peer=self._global[p],
                 ), crashed=False)
             elif q[self._in_tail_i[p] + 1]:  # type: ignore[index]
                 self._depart(p, DistBackendError(
                     f"{self._describe(p)} cancelled a message to this rank half-way "
-                    "(its process group is being destroyed)", rank=self.rank, peer=p,
+                    "(its process group is being destroyed)", rank=self.rank, peer=self._global[p],
                 ), crashed=False)
             elif self._dead(p):
                 self._depart(p, DistBackendError(
                     f"{self._describe(p)} died (its process exited without closing the group)",
-                    rank=self.rank, peer=p,
+                    rank=self.rank, peer=self._global[p],
                 ), crashed=True)
 
     def _dead(self, p: int) -> bool:
@@ -889,7 +893,7 @@ class ShmChannel(Channel):
 
     def abort_reason(self, by: int) -> tuple[str, int | None]:
         """What rank ``by`` wrote when it gave up on the group ("" if nothing, or the
-        channel is closed) and the rank it blamed (None if none)."""
+        channel is closed) and the (global) rank it blamed (None if none)."""
         q, mem = self._q, self._mem
         if q is None or mem is None:
             return "", None
@@ -903,7 +907,7 @@ class ShmChannel(Channel):
         reason, lost = self.abort_reason(by)
         return DistBackendError(
             f"{self._describe(by)} gave up on the group: {reason}",
-            rank=self.rank, peer=by if lost is None else lost,
+            rank=self.rank, peer=self._global[by] if lost is None else lost,
         )
 
     def _depart(self, p: int, err: BaseException, crashed: bool) -> None:
@@ -986,7 +990,7 @@ class ShmChannel(Channel):
                 start = (self._me << 3) + _REASON_OFF
                 self._mem[start : start + len(reason)] = reason  # type: ignore[index]
                 lost = getattr(cause, "peer", None)
-                q[self._me + _R_LOST] = lost + 1 if isinstance(lost, int) and 0 <= lost < self.size else 0  # type: ignore[index]
+                q[self._me + _R_LOST] = lost + 1 if isinstance(lost, int) and lost >= 0 else 0  # type: ignore[index]
                 q[self._me + _R_REASON_LEN] = len(reason)  # type: ignore[index]
                 q[self._me + _R_STATE] = _ABORTED  # type: ignore[index]
                 if q[_H_ABORT] == 0:  # type: ignore[index]
