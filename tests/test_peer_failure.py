@@ -192,8 +192,9 @@ def _leaves_subgroup(rank: int, world_size: int, backend: str, port: int) -> dic
     return out
 
 
-# Not over auto:2machines yet: there a recv from a rank that destroyed the subgroup waits
-# until the group timeout instead of failing (found 2026-11-26, open; see the issue notes).
+# Not over auto:2machines yet: there ranks 1 and 2 never exchanged data over TCP before, so
+# rank 1's LEAVE cannot reach rank 2, whose recv waits until the group timeout (an open
+# defect, docs/backends.md; the tcp run connected them in the barrier).
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_a_subgroup_error_names_the_global_rank(backend):
