@@ -169,34 +169,59 @@ def test_ctrl_c_in_a_collective_raises_there_and_the_others_are_told(backend):
         assert r["seconds"] < 5, r
 
 
-def _leaves_subgroup(rank: int, world_size: int, backend: str, port: int) -> dict:
-    """Rank 1 destroys the subgroup [1, 2] (where it is group rank 0) while rank 2 waits
-    there for a message from it."""
+def _leaves_subgroup(rank: int, world_size: int, backend: str, port: int, leaver: int) -> dict:
+    """``leaver`` destroys the subgroup [1, 2] while the other member waits there for a
+    message from it.  Rank 1 leaves while rank 2 waits, once rank 2's wait with a short
+    timeout of its own has expired; rank 2 leaves before rank 1 posts its receive (the
+    store says when)."""
     from collective_cases import init
 
     init(rank, world_size, backend, port, timeout=60)
     sub = dist.new_group([1, 2])
     dist.barrier()
     out: dict = {}
-    if rank == 1:
-        time.sleep(0.3)
-        dist.destroy_process_group(sub)
-    elif rank == 2:
-        try:
-            dist.recv(np.zeros(4), src=1, group=sub)
-            out["peer"] = "no error"
-        except dist.DistBackendError as e:
-            out = {"peer": e.peer, "error": str(e)}
+    with dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=30) as store:
+        if rank == leaver:
+            if leaver == 1:
+                store.wait(["timed out"])
+            dist.destroy_process_group(sub)
+            store.set("left", "1")
+        elif rank in (1, 2):
+            if leaver == 2:
+                store.wait(["left"])
+            work = dist.irecv(np.zeros(4), src=leaver, group=sub)
+            if leaver == 1:
+                try:
+                    work.wait(timeout=0.2)
+                    out["timeout"] = "no error"
+                except dist.DistTimeoutError as e:
+                    out["timeout"] = str(e)
+                store.set("timed out", "1")
+            start = time.monotonic()
+            try:
+                work.wait()
+                out["peer"] = "no error"
+            except dist.DistBackendError as e:
+                out.update(peer=e.peer, error=str(e))
+            out["seconds"] = time.monotonic() - start
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-# Not over auto:2machines yet: there ranks 1 and 2 never exchanged data over TCP before, so
-# rank 1's LEAVE cannot reach rank 2, whose recv waits until the group timeout (an open
-# defect, docs/backends.md; the tcp run connected them in the barrier).
+# Over auto:2machines ranks 1 and 2 never exchanged data over TCP before, so the LEAVE
+# goes once they connect: rank 1 connects when rank 2, waiting for it, probes it; rank 2's
+# waits until rank 1 connects to receive.
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
-def test_a_subgroup_error_names_the_global_rank(backend):
-    results = run_world(_leaves_subgroup, 3, backend, timeout=45)
-    assert results[2]["peer"] == 1 and "rank 1" in results[2]["error"], results[2]
+@pytest.mark.parametrize("leaver", [1, 2], ids=["lower-leaves", "higher-leaves"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_subgroup_member_that_leaves_is_named_by_its_global_rank(backend, leaver):
+    results = run_world(_leaves_subgroup, 3, backend, leaver, timeout=45)
+    waiter = 3 - leaver
+    r = results[waiter]
+    if leaver == 1:
+        assert "waits for rank 1 (group rank 0)" in r["timeout"], r
+    me = f"rank {waiter} (group rank {waiter - 1})"
+    assert r["peer"] == leaver and f"failed on {me}: rank {leaver} " in r["error"], r
+    assert "destroyed its process group" in r["error"], r
+    assert r["seconds"] < 10, r  # not the group timeout (60 s)

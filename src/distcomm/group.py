@@ -101,6 +101,13 @@ class _Serial:
             thread.join(timeout)
 
 
+def describe_rank(ranks: list[int], r: int) -> str:
+    """Group rank ``r`` of the group of global ``ranks`` as errors name it: by its global
+    rank, and its group rank too where they differ."""
+    me = ranks[r] if 0 <= r < len(ranks) else r
+    return f"rank {me}" if me == r else f"rank {me} (group rank {r})"
+
+
 class ProcessGroup:
     """A set of ranks that communicate; subclasses provide the operations.
 
@@ -134,6 +141,10 @@ class ProcessGroup:
     def name(self) -> str:
         """The backend's name (as torch's ``ProcessGroup.name()``)."""
         return self.backend_name
+
+    def _who(self) -> str:
+        """This process as errors name it."""
+        return describe_rank(self.ranks, self._rank)
 
     def __repr__(self) -> str:
         return (
@@ -297,7 +308,7 @@ class ProcessGroup:
             )
         elif isinstance(e, DistBackendError):
             err = DistBackendError(
-                f"{what} on group {self.group_name!r} failed on rank {self._rank}: {e}",
+                f"{what} on group {self.group_name!r} failed on {self._who()}: {e}",
                 op=op, seq=seq, group=self.group_name, peer=getattr(e, "peer", None),
                 rank=self._rank, **_other_facts(e),
             )
@@ -308,7 +319,7 @@ class ProcessGroup:
         # what breaks the group and what peers are told: a KeyboardInterrupt (or a bug) in the
         # middle of an operation is raised here as it is, but named for the others
         cause = err if isinstance(err, DistError) else DistBackendError(
-            f"{what} on group {self.group_name!r} failed on rank {self._rank}: {_exception_text(e)}",
+            f"{what} on group {self.group_name!r} failed on {self._who()}: {_exception_text(e)}",
             op=op, seq=seq, group=self.group_name, rank=self._rank,
         )
         self.abort(cause)

@@ -22,7 +22,7 @@ from ..arrays import ArrayRef, as_array, data_address, native_dtype_name
 from ..deadline import Deadline, to_seconds
 from ..debug import recorder as _rec
 from ..errors import DistInputError, DistTimeoutError, DistTypeError
-from ..group import ProcessGroup
+from ..group import ProcessGroup, describe_rank
 from ..reduce_op import FINALIZED, finalize, op_combiner
 from ..transport.base import MAX_P2P_TAG, Channel, Request, p2p_tag
 from ..work import Work
@@ -482,7 +482,7 @@ class _RequestWork(Work):
 
     def __init__(self, pg: ChannelProcessGroup, op: str, req: Request, peer: int | None, result: Any,
                  ref: ArrayRef, tag: int) -> None:
-        who = "any rank" if peer is None else f"rank {peer}"
+        who = "any rank" if peer is None else describe_rank(pg.ranks, peer)
         super().__init__(op, pg.group_name, None, lambda: who)
         self._pg = pg
         self._req = req

@@ -66,6 +66,7 @@ import numpy as np
 from ..backend_registry import Backend, BackendFactory
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistError, DistInputError
+from ..group import describe_rank
 from ..reduce_op import _NAMES, _combiner, op_combiner
 from ..store import Store
 from ..transport.mpi_channel import (
@@ -389,7 +390,7 @@ class MpiProcessGroup(ChannelProcessGroup):
         self.comm = comm
 
         def describe(r: int) -> str:
-            return f"rank {ranks[r]}" if ranks[r] == r else f"rank {ranks[r]} (group rank {r})"
+            return describe_rank(ranks, r)
 
         channel = MpiChannel(rt, comm, describe)
         self.collectives = MpiCollectives(rt, comm, group_name)

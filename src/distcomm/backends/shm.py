@@ -40,6 +40,7 @@ import numpy as np
 from ..backend_registry import Backend, BackendFactory
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError
+from ..group import describe_rank
 from ..store import PrefixStore, Store
 from ..store.exchange import all_gather_strings
 from ..transport.shm_channel import ShmChannel
@@ -89,7 +90,7 @@ class ShmProcessGroup(ChannelProcessGroup):
         ctl_bytes = (control_bytes(size) + LINE - 1) // LINE * LINE
 
         def describe(r: int) -> str:
-            return f"rank {ranks[r]}" if ranks[r] == r else f"rank {ranks[r]} (group rank {r})"
+            return describe_rank(ranks, r)
 
         self._segment: Segment | None = None
         self._control: Control | None = None

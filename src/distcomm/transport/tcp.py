@@ -177,6 +177,8 @@ class _Peer:
         self.deferred_at = 0.0  # since when the progress thread leaves an unasked-for payload
         self.paused = False
         self.left = False  # it said BYE: it connected, then destroyed its group
+        self.leaves: set[int] = set()  # groups this process left before it connected (LEAVE on attach)
+        self.connector: threading.Thread | None = None  # connecting because it probed us
 
 
 class TcpTransport:
@@ -220,6 +222,8 @@ class TcpTransport:
         #: (group id, rank) -> the error of talking to a rank that destroyed the group (LEAVE)
         self._left: dict[tuple[int, int], BaseException] = {}
         self._open_groups: dict[int, int] = {}  # group id -> channels open on it (LEAVE for others: ignored)
+        #: rank never in touch -> groups this process left (LEAVEs for when it is: see _peer)
+        self._unsent_leaves: dict[int, set[int]] = {}
         host = w.publish_address(master_addr)
         bind = host if host.startswith("127.") or host == "localhost" else ""
         self._listener = socket.create_server((bind, 0), backlog=max(128, size))
@@ -412,10 +416,18 @@ class TcpTransport:
             self._aborted.pop(group, None)
             if self._left:
                 self._left = {k: v for k, v in self._left.items() if k[0] != group}
-            peers = [self._peers[r] for r in members if r in self._peers and r != self.rank]
-            peers = [p for p in peers if p.state == "up"]
-            for p in peers:
-                self._queue(p, _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None))
+            peers = []
+            for r in members:
+                if r == self.rank or self._closed:
+                    continue
+                p = self._peers.get(r)
+                if p is not None and p.state == "up":
+                    self._queue(p, _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None))
+                    peers.append(p)
+                elif p is None or p.state != "dead":
+                    # Not connected (yet): the LEAVE goes once it is.  A lower rank connects
+                    # when it needs us; a higher one that waits on us probes, and we connect.
+                    (p.leaves if p is not None else self._unsent_leaves.setdefault(r, set())).add(group)
         for p in peers:
             self._flush(p)
 
@@ -462,8 +474,9 @@ class TcpTransport:
             for p in self._peers.values():
                 self._kill(p, err)
         for p in self._peers.values():
-            if p.writer is not None and p.writer is not threading.current_thread():
-                p.writer.join(5)
+            for t in (p.writer, p.connector):
+                if t is not None and t is not threading.current_thread():
+                    t.join(5)
         self._listener.close()
         self._close_wake()
 
@@ -515,6 +528,8 @@ class TcpTransport:
         p = self._peers.get(rank)
         if p is None:
             p = self._peers[rank] = _Peer(rank)
+            if self._unsent_leaves:
+                p.leaves = self._unsent_leaves.pop(rank, p.leaves)
         if p.state == "new":
             if self.rank < rank:
                 p.state = "connecting"
@@ -594,6 +609,9 @@ class TcpTransport:
             p.state = "up"
             p.armed = True
             self._ep.register(sock.fileno(), _EPOLLIN)
+            for group in p.leaves:  # after what was queued for it before
+                self._queue(p, _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None))
+            p.leaves.clear()
         self._flush(p)
 
     # -- writing -------------------------------------------------------------------
@@ -809,6 +827,7 @@ class TcpTransport:
         sock = self._end_hello(fd, hello, None)
         if not done:  # a probe: close quietly
             sock.close()
+            self._answer_probe(bytes(h.buf[: w.HELLO.size]))
             return
         assert h.rank is not None
         with self._mu:
@@ -819,6 +838,22 @@ class TcpTransport:
             sock.close()
             return
         self._attach(p, sock)
+
+    def _answer_probe(self, hello: bytes) -> None:
+        """A higher rank waits for this process to connect (it probed us): connect now if
+        a LEAVE waits for it, which it would otherwise only get at its timeout."""
+        _magic, _version, _flags, token, rank = w.HELLO.unpack_from(hello)
+        with self._mu:
+            if token != self._token or self._closing or rank in self._peers or rank not in self._unsent_leaves:
+                return
+            p, connect = self._peer(rank)  # (it takes the LEAVEs)
+            if not connect:  # (a lower rank connects itself)
+                return
+            p.connector = threading.Thread(
+                target=self._connect, args=(p,), daemon=True,
+                name=f"distcomm-tcp-connect:{self.rank}->{rank}",
+            )
+        p.connector.start()  # (connecting blocks; the progress thread must not)
 
     def _hello_step(self, h: _Hello) -> bool | None:
         """Act on a complete step of ``h``: True when accepted, False for a probe,

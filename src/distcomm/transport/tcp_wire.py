@@ -4,8 +4,9 @@ Handshake (the connecting process speaks first, the other answers in kind)::
 
     b"DCTP"  u16 version  u16 flags  16-byte job token  u32 process rank   (28 bytes)
 
-Flags: PROBE (1) means "only checking that you are alive" (the listener
-closes it at once); AUTH (2) means the sender authenticates.  The job token
+Flags: PROBE (1) means "only checking that you are alive, as I wait for you
+to connect" (the listener closes it at once, and connects back if it holds
+a LEAVE for the prober that could not be sent yet); AUTH (2) means the sender authenticates.  The job token
 is fresh for every ``init_process_group``; a connection from another job,
 or from before a re-initialisation, is refused.
 
