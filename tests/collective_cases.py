@@ -1905,10 +1905,11 @@ def run_first_contact_after_rank0_left(rank: int, world_size: int, backend: str,
 
 
 def run_death_before_first_contact(rank: int, world_size: int, backend: str, port: int, victim: int,
-                                   directory: str) -> Any:
+                                   directory: str, last: str = "send") -> Any:
     """Rank ``victim`` dies right after init, before any rank talked to it; then rank 0 receives
-    from it and the last rank sends to it.  Both must fail fast, naming it.  Connections are
-    lazy here, so nobody has talked to the victim before it died."""
+    from it and the last rank sends to it (``last`` "send") or receives from any rank
+    ("recv_any").  Both must fail fast, naming it.  Connections are lazy here, so nobody has
+    talked to the victim before it died."""
     os.environ["DISTCOMM_EAGER_CONNECT"] = "0"
     directory = attempt_dir(directory, port)
     if rank == victim:
@@ -1928,6 +1929,8 @@ def run_death_before_first_contact(rank: int, world_size: int, backend: str, por
     try:
         if rank == 0:
             dist.recv(np.zeros(2, np.int64), src=victim)
+        elif last == "recv_any":
+            dist.recv(np.zeros(2, np.int64))
         else:
             dist.send(np.zeros(2, np.int64), dst=victim)
         return "no error"

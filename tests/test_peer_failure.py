@@ -67,9 +67,10 @@ def test_dead_peer_fails_every_survivor_fast(backend, world_size, victim, how, w
 # two ranks the higher one waits for the lower one to connect, so the higher one must notice
 # by itself that the lower one's process is gone (it probes the lower rank's listener).
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("last", ["send", "recv_any"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_death_before_first_contact(backend, tmp_path):
-    results = run_world(run_death_before_first_contact, 3, backend, 1, str(tmp_path), timeout=45)
+def test_death_before_first_contact(backend, last, tmp_path):
+    results = run_world(run_death_before_first_contact, 3, backend, 1, str(tmp_path), last, timeout=45)
     for rank in (0, 2):
         kind, peer, seconds, text = results[rank]
         assert kind == "DistBackendError" and peer == 1 and "rank 1" in text, results[rank]

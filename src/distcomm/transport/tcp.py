@@ -86,6 +86,8 @@ _POLL_RW = select.POLLIN | select.POLLOUT
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 #: A rank waiting this long (s) for a lower rank to connect checks that it is alive.
 _PROBE_AFTER = 1.0
+#: A receive from any source probes at most this many such ranks each time (in turn).
+_PROBES_PER_ROUND = 16
 #: A waiting thread reading a socket itself polls this long at a time (s).
 _HELP_POLL = 0.05
 #: ... and when another thread reads it, checks back this often (s).
@@ -1340,8 +1342,23 @@ class TcpTransport:
                     self._hand_over(q)
 
     def _help_any(self, req: Request, deadline: Deadline) -> None:
-        """A receive from any source is read by the progress thread: it must watch every socket."""
+        """A receive from any source is read by the progress thread: it must watch every
+        socket.  Meanwhile the waiting thread probes, every _PROBE_AFTER seconds, the lower
+        ranks of the group that have not connected yet, so that one whose process is gone
+        fails the receive (as it would a receive from that rank) instead of the timeout."""
         self._watch_all()
+        lower = [r for r in req.members if r < self.rank]  # type: ignore[attr-defined]
+        turn = 0
+        while not req.done() and not self._closed:
+            left = deadline.remaining()
+            if left <= 0 or req.sleep(min(_PROBE_AFTER, left)):
+                return
+            silent = [p for p in map(self._peers.get, lower) if p is not None and p.state == "awaiting"]
+            if silent:
+                turn %= len(silent)
+                for p in (silent + silent)[turn : turn + min(_PROBES_PER_ROUND, len(silent))]:
+                    self._probe(p)
+                turn += _PROBES_PER_ROUND
 
     def _probe(self, p: _Peer) -> None:
         """Is the lower rank we wait for still there?  Its listener answers if so.
