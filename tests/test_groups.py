@@ -136,3 +136,38 @@ def test_torch_newer_group_arguments(backend, world_size):
     results = run_world(_torch_newer_arguments, world_size, backend, timeout=90)
     for rank, bad in enumerate(results):
         assert bad == [], f"rank {rank}: " + "; ".join(bad)
+
+
+def _group_churn(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Groups made, used and destroyed again and again leave nothing in the store."""
+    init(rank, world_size, backend, port)
+    out: dict = {}
+    with dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=30) as store:
+        def keys() -> list[str]:
+            dist.barrier()  # every rank is done with the groups made so far
+            listed = store.list_keys()
+            dist.barrier()
+            return listed
+
+        before = keys()
+        # (a "tcp" group in a shared-memory world opens a transport of its own)
+        for ranks, kind in [*[(r, None) for r in ([0, world_size - 1], list(range(world_size)),
+                                                 [world_size - 1])], ([0, world_size - 1], "tcp")] * 2:
+            g = dist.new_group(ranks, backend=kind)
+            if rank in ranks:
+                x = np.ones(8)
+                dist.all_reduce(x, group=g)
+                out.setdefault("sums", []).append(float(x[0]))
+                dist.destroy_process_group(g)
+        out["new keys"] = sorted(set(keys()) - set(before))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_destroyed_groups_leave_no_keys_in_the_store(backend):
+    for rank, r in enumerate(run_world(_group_churn, 3, backend, timeout=75)):
+        assert r["new keys"] == [], (rank, r["new keys"][:10])
+        expected = {0: [2.0, 3.0, 2.0], 1: [3.0], 2: [2.0, 3.0, 1.0, 2.0]}[rank] * 2
+        assert r["sums"] == expected, (rank, r["sums"])

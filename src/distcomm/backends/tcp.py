@@ -14,9 +14,11 @@ import os
 from typing import Any
 
 from ..backend_registry import Backend, BackendFactory
+from ..errors import DistError
 from ..store import Store
+from ..store.exchange import forget_when_passed
 from ..store.tcp_client import TCPStore
-from ..transport.tcp import TcpTransport
+from ..transport.tcp import TcpTransport, address_keys
 from .channel_group import ChannelProcessGroup
 
 __all__ = ["TcpProcessGroup", "TcpBackend", "open_transport"]
@@ -98,6 +100,7 @@ class _OwnTcpGroup(TcpProcessGroup):
     def __init__(self, store: Store, group_rank: int, ranks: list[int], name: str, timeout: float) -> None:
         transport = open_transport(store, group_rank, len(ranks), timeout)
         self.transport = transport
+        self._store = store
         try:
             channel = transport.channel(group_id(name), list(range(len(ranks))))
             ChannelProcessGroup.__init__(self, channel, name, timeout, ranks)
@@ -110,6 +113,11 @@ class _OwnTcpGroup(TcpProcessGroup):
             super()._release()
         finally:
             self.transport.close()
+            size = self.transport.size
+            try:  # the last member to close removes the transports' keys from the store
+                forget_when_passed(self._store, size, "tcp", [_TOKEN_KEY, *address_keys(size)])
+            except DistError:
+                pass  # the store went with its host (rank 0 left first): nothing to clean up
 
 
 Backend.register_backend("tcp", TcpBackend())

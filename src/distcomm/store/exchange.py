@@ -3,7 +3,9 @@
 Used while groups are being set up (host names, pids), before any channel
 exists.  Each rank appends ``"rank=value;"`` to one key and counts itself
 in; the last to arrive marks it complete, and everyone reads the key once:
-O(n) store operations in all, however many ranks there are.
+O(n) store operations in all, however many ranks there are.  The last rank
+to have read it deletes the keys (:func:`forget_when_passed`), so creating
+and destroying groups does not grow the store.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from datetime import timedelta
 from ..errors import DistInputError
 from .base import Store
 
-__all__ = ["all_gather_strings"]
+__all__ = ["all_gather_strings", "forget_when_passed"]
 
 
 def all_gather_strings(store: Store, rank: int, size: int, name: str, value: str,
@@ -31,4 +33,14 @@ def all_gather_strings(store: Store, rank: int, size: int, name: str, value: str
         if item:
             r, v = item.split("=", 1)
             out[int(r)] = v
+    forget_when_passed(store, size, key, [key, f"{key}/count", f"{key}/done"])
     return out
+
+
+def forget_when_passed(store: Store, size: int, name: str, keys: list[str]) -> None:
+    """This rank is done with ``keys``: the last of the ``size`` ranks to say so for
+    ``name`` deletes them (and the count)."""
+    passed = f"{name}/passed"
+    if store.add(passed, 1) == size:
+        for k in (*keys, passed):
+            store.delete_key(k)

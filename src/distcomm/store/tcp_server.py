@@ -134,7 +134,7 @@ class StoreServer:
             self._visible = 0  # keys num_keys counts
             self._watch: dict[bytes, list[_Waiter]] = {}
             self._timers: list = []  # heap of (when, seq, kind, obj)
-            self._timers_compact_at = 65536
+            self._timers_compact_at = _TIMERS_COMPACT_MIN
             self._seq = itertools.count()
             self._resume: deque[_Conn] = deque()
             self._leaders: dict[bytes, _Waiter] = {}  # shared WAIT cursors by raw key list
@@ -607,7 +607,7 @@ class StoreServer:
             # Drop timers of waiters already answered and connections gone.
             timers[:] = [t for t in timers if _timer_live(t)]
             heapq.heapify(timers)
-            self._timers_compact_at = max(65536, 2 * len(timers))
+            self._timers_compact_at = max(_TIMERS_COMPACT_MIN, 2 * len(timers))
 
     def _fire_timers(self) -> None:
         timers, now = self._timers, time.monotonic()
@@ -635,6 +635,10 @@ class StoreServer:
 
 
 _OK = p.frame(p.OK)
+#: The timer heap keeps an answered wait's entry until its deadline (the wait's timeout,
+#: often minutes) or until the heap passes this size (or twice its live entries) and is
+#: compacted: a job making and destroying groups keeps its store's memory flat.
+_TIMERS_COMPACT_MIN = 4096
 
 
 def _timer_live(entry: tuple) -> bool:

@@ -253,6 +253,8 @@ class ShmChannel(Channel):
             ring = int(store.get(_RING_KEY))
         seg = open_shared(store, rank, size, "p2p", layout_bytes(size, ring), timeout)
         try:
+            if rank == 0:  # every rank read it before it attached
+                store.delete_key(_RING_KEY)
             return cls(seg, rank, size, ring, timeout, describe, local_ranks, ranks)
         except BaseException:
             seg.close()

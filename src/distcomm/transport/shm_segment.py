@@ -225,8 +225,12 @@ def open_shared(store, rank: int, size: int, label: str, nbytes: int, timeout: f
         seg = Segment.create(label, nbytes, os.urandom(6).hex())
         try:
             store.set(key, seg.name)
-            if size > 1:
-                store.wait([f"{key}/attached/{size - 1}"], wait)
+            marks = [f"{key}/attached/{n}" for n in range(1, size)]
+            if marks:
+                store.wait(marks, wait)
+            # every other rank has read the name and is done with the keys: they can go
+            for k in (key, f"{key}/attached", *marks):
+                store.delete_key(k)
         except BaseException:
             seg.close()
             raise
@@ -252,7 +256,7 @@ def open_each(store, rank: int, size: int, label: str, nbytes: int, timeout: flo
     """
     from datetime import timedelta
 
-    from ..store.exchange import all_gather_strings
+    from ..store.exchange import all_gather_strings, forget_when_passed
 
     key = f"shm/{label}"
     segs: list[Segment | None] = [None] * size
@@ -268,6 +272,7 @@ def open_each(store, rank: int, size: int, label: str, nbytes: int, timeout: flo
         if store.add(f"{key}/mapped", 1) == size:
             store.set(f"{key}/all", b"")
         store.wait([f"{key}/all"], timedelta(seconds=timeout))
+        forget_when_passed(store, size, key, [f"{key}/mapped", f"{key}/all"])
     except BaseException:
         for seg in segs:
             if seg is not None:

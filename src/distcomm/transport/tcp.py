@@ -64,7 +64,7 @@ from .matching import (
     lost_peer_error,
 )
 
-__all__ = ["TcpTransport", "TcpChannel"]
+__all__ = ["TcpTransport", "TcpChannel", "address_keys"]
 
 log = logging.getLogger("distcomm.transport")
 
@@ -242,7 +242,7 @@ class TcpTransport:
             if size <= ADDRESS_PREFETCH_MAX:
                 # Learn every address now: later connections must not depend
                 # on the store (rank 0 hosts it and may leave first).
-                keys = [_addr_key(r) for r in range(size)]
+                keys = address_keys(size)
                 store.wait(keys, timeout)
                 self._addrs = {r: v.decode() for r, v in enumerate(store.multi_get(keys))}
         except BaseException:
@@ -1515,6 +1515,11 @@ def _size_mismatch(req: RecvRequest, nbytes: int) -> DistBackendError:
 
 def _addr_key(rank: int) -> str:
     return f"tcp/addr/{rank}"
+
+
+def address_keys(size: int) -> list[str]:
+    """The store keys where the transports of a ``size``-rank job publish their addresses."""
+    return [_addr_key(r) for r in range(size)]
 
 
 def _connect_retry(host: str, port: int, deadline: Deadline, rank: int) -> socket.socket:
