@@ -171,3 +171,31 @@ def test_destroyed_groups_leave_no_keys_in_the_store(backend):
         assert r["new keys"] == [], (rank, r["new keys"][:10])
         expected = {0: [2.0, 3.0, 2.0], 1: [3.0], 2: [2.0, 3.0, 1.0, 2.0]}[rank] * 2
         assert r["sums"] == expected, (rank, r["sums"])
+
+
+def _subgroup_wait_timeout(rank: int, world_size: int, backend: str, port: int) -> str | None:
+    """Rank 2's wait(timeout) on an all_reduce of the group [1, 2] that rank 1 has not
+    joined yet: the error lists the members by their global ranks."""
+    init(rank, world_size, backend, port)
+    g = dist.new_group([1, 2])
+    text = None
+    if rank == 2:
+        work = dist.all_reduce(np.ones(4), group=g, async_op=True)
+        try:
+            work.wait(timeout=0.3)
+        except dist.DistTimeoutError as e:
+            text = str(e)
+    dist.barrier()
+    if rank == 1:
+        dist.all_reduce(np.ones(4), group=g)
+    elif rank == 2:
+        work.wait()  # the timeout above left it going
+    dist.destroy_process_group()
+    return text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_wait_timeout_in_a_subgroup_names_its_members_by_global_rank(backend):
+    text = run_world(_subgroup_wait_timeout, 3, backend, timeout=45)[2]
+    assert text is not None and text.endswith("it involves ranks [1, 2] of group '1:1'"), text

@@ -101,6 +101,13 @@ class _Serial:
             thread.join(timeout)
 
 
+def ranks_text(ranks: list[int]) -> str:
+    """Global ranks as messages list them: ``ranks 0-7`` for a run, else the list."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {ranks}"
+
+
 def describe_rank(ranks: list[int], r: int) -> str:
     """Group rank ``r`` of the group of global ``ranks`` as errors name it: by its global
     rank, and its group rank too where they differ."""
@@ -201,7 +208,7 @@ class ProcessGroup:
         return next(self._seqs)
 
     def _describe_peers(self) -> str:
-        return f"ranks {list(range(self._size))} of group {self.group_name!r}"
+        return f"{ranks_text(self.ranks)} of group {self.group_name!r}"
 
     def _submit(self, op: str, run: Runner, async_op: bool, result: Any = None, info: Any = None,
                 timeout: float | None = None) -> Work:

@@ -55,13 +55,15 @@ def group_created(pg: Any, seconds: float) -> None:
     levels.track(pg)
     flight_recorder.track(pg)
     if _log.isEnabledFor(logging.INFO):
+        from ..group import ranks_text
+
         kind = type(pg).__name__
         machines = getattr(pg, "machines", None)
         how = f" over {machines} machines" if machines else ""
         _log.info(
             "created group %r: backend %s (%s%s), rank %d of %d, members %s, timeout %g s, "
             "debug level %s, in %.3f s",
-            pg.group_name, pg.backend_name, kind, how, pg.rank(), pg.size(), _ranks_text(pg.ranks),
+            pg.group_name, pg.backend_name, kind, how, pg.rank(), pg.size(), ranks_text(pg.ranks),
             pg.timeout, levels.get_debug_level().name, seconds, extra={"group": pg.group_name},
         )
 
@@ -76,7 +78,3 @@ def world_ended() -> None:
     log.set_rank(None)
 
 
-def _ranks_text(ranks: list[int]) -> str:
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return str(ranks)
