@@ -226,3 +226,50 @@ def test_a_subgroup_member_that_leaves_is_named_by_its_global_rank(backend, leav
     assert r["peer"] == leaver and f"failed on {me}: rank {leaver} " in r["error"], r
     assert "destroyed its process group" in r["error"], r
     assert r["seconds"] < 10, r  # not the group timeout (60 s)
+
+
+def _all_others_leave(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Rank 2 waits in a receive from any rank of the group [0, 1, 2]; rank 0 destroys the
+    group (rank 1 could still send), then rank 1 does: now nothing can arrive."""
+    from collective_cases import init
+
+    init(rank, world_size, backend, port, timeout=60)
+    g = dist.new_group([0, 1, 2])
+    dist.barrier()
+    out: dict = {}
+    with dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=30) as store:
+        if rank == 0:
+            dist.destroy_process_group(g)
+            store.set("0 left", "1")
+        elif rank == 1:
+            store.wait(["one left"])
+            dist.destroy_process_group(g)
+        else:
+            work = dist.irecv(np.zeros(4), group=g)
+            store.wait(["0 left"])
+            time.sleep(0.3)  # (its LEAVE arrives; rank 1 may still send, so nothing fails)
+            try:
+                work.wait(timeout=0.3)
+                out["one left"] = "no error"
+            except dist.DistError as e:
+                out["one left"] = type(e).__name__
+            store.set("one left", "1")
+            start = time.monotonic()
+            try:
+                work.wait()
+                out["error"] = "no error"
+            except dist.DistBackendError as e:
+                out.update(error=str(e), peer=e.peer)
+            out["seconds"] = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_receive_from_any_rank_fails_once_every_other_member_left(backend):
+    r = run_world(_all_others_leave, 3, backend, timeout=45)[2]
+    assert r["one left"] == "DistTimeoutError", r  # one member left, another could still send
+    assert "every other member destroyed the group, the last rank 1" in r["error"], r
+    assert r["peer"] == 1 and r["seconds"] < 10, r

@@ -292,15 +292,23 @@ class Matcher:
         unless ``any_source`` is false (a peer that left cleanly: others may
         still send).
         """
+        self._fail_where(error, lambda req: (group is None or req.group == group) and (
+            peer is None
+            or req.bound == peer
+            or (any_source and req.bound is None and peer in req.members)
+        ))
+
+    def fail_orphaned(self, error: BaseException, group: int, gone: Callable[[int], bool]) -> None:
+        """Fail the receives from any source of ``group`` that no member can satisfy any
+        more: ``gone(r)`` is true for every process rank ``r`` of the group but this one's."""
+        self._fail_where(error, lambda req: req.group == group and req.bound is None
+                         and all(gone(r) for r in req.members))
+
+    def _fail_where(self, error: BaseException, hit: Callable[[RecvRequest], bool]) -> None:
         for key in list(self.posts):
             keep = []
             for req in self.posts[key]:
-                hit = (group is None or req.group == group) and (
-                    peer is None
-                    or req.bound == peer
-                    or (any_source and req.bound is None and peer in req.members)
-                )
-                if hit:
+                if hit(req):
                     req.complete(error)
                 else:
                     keep.append(req)

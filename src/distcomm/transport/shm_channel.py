@@ -338,6 +338,7 @@ class ShmChannel(Channel):
         self._gone: list[BaseException | None] = [None] * size
         self._crashed = [False] * size
         self._ncrashed = 0
+        self._ngone = 0
         self._out_broken: list[BaseException | None] = [None] * size
         self._watch: dict[int, _PeerWatch] = {}
         self._closed = False
@@ -439,6 +440,8 @@ class ShmChannel(Channel):
                 self._nany += 1
                 if self._ncrashed:
                     self._settle(req, [p for p in self._peers if self._crashed[p]])
+                elif self._peers and self._ngone == len(self._peers):  # nobody is left to send
+                    self._settle(req, list(self._peers), self._orphan_error(self._peers[-1]))
             else:
                 self._nfrom[src] += 1
                 if self._gone[src] is not None:
@@ -447,14 +450,21 @@ class ShmChannel(Channel):
                 self._unstick()
         return req
 
-    def _settle(self, req: _Recv, gone: list[int]) -> None:
-        """A receive involving peers that left: deliver what they wrote, else fail it now."""
+    def _settle(self, req: _Recv, gone: list[int], err: BaseException | None = None) -> None:
+        """A receive involving peers that left: deliver what they wrote, else fail it now
+        (with ``err``, by default the first one's departure)."""
         for p in gone:
             self._pull(p)
             self._drop_partial(p, self._gone[p])  # type: ignore[arg-type]
         if not req._done:
             self._unpost(req)
-            self._complete(req, self._gone[gone[0]])
+            self._complete(req, err or self._gone[gone[0]])
+
+    def _orphan_error(self, last: int) -> DistBackendError:
+        return DistBackendError(
+            f"every other member destroyed the group, the last {self._describe(last)}: "
+            "nothing can arrive", rank=self.rank, peer=self._global[last],
+        )
 
     def _unstick(self) -> None:
         self._stuck = [False] * self.size
@@ -918,6 +928,9 @@ class ShmChannel(Channel):
         self._gone[p] = err
         self._crashed[p] = crashed
         self._ncrashed += crashed
+        self._ngone += 1
+        # a receive from any rank fails too if p crashed, or if nobody is left to send
+        orphan = None if crashed or self._ngone < len(self._peers) else self._orphan_error(p)
         for s in self._sq[p]:
             self._complete(s, err)
         self._sq[p].clear()
@@ -926,9 +939,9 @@ class ShmChannel(Channel):
         for tag in list(self._posted):
             keep: deque[_Recv] = deque()
             for r in self._posted[tag]:
-                if r.peer == p or (crashed and r.peer is None):
+                if r.peer == p or (r.peer is None and (crashed or orphan is not None)):
                     self._uncount(r)
-                    self._complete(r, err)
+                    self._complete(r, err if r.peer == p or crashed else orphan)
                 else:
                     keep.append(r)
             if keep:

@@ -361,6 +361,10 @@ class TcpTransport:
                         if connect:
                             to_connect.append(p)
             data, grant = self._matcher.post(req)
+            if peer is None and data is None and self._left:
+                left = [r for r in members if (group, r) in self._left]
+                if left:
+                    self._fail_orphaned(group, left[-1])
             if grant is not None:
                 gp = self._peers[grant]
                 self._queue(gp, _Out(w.HEADER.pack(w.RTR, group, tag, len(view)), None, None))
@@ -440,9 +444,19 @@ class TcpTransport:
                 return  # not a group of this process (or no longer): nothing waits on it
             self._left[(group, p.rank)] = err  # receives from it posted later fail too
             self._matcher.fail(err, peer=p.rank, group=group, any_source=False)
+            self._fail_orphaned(group, p.rank)
             for key in [k for k in p.waiting if k[0] == group]:  # sends it will never grant
                 for req in p.waiting.pop(key):
                     req.complete(err)
+
+    def _fail_orphaned(self, group: int, last: int) -> None:
+        """Fail receives from any source of ``group`` once every other member left it
+        (``last`` the latest to go): nothing can arrive any more (lock held)."""
+        err = DistBackendError(
+            f"every other member destroyed the group, the last rank {last}: nothing can arrive",
+            peer=last,
+        )
+        self._matcher.fail_orphaned(err, group, lambda r: r == self.rank or (group, r) in self._left)
 
     def close(self) -> None:
         """Stop the progress thread, close every socket, fail what is pending."""
