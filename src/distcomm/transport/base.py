@@ -26,11 +26,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..deadline import Deadline
-from ..errors import DistInputError, DistTypeError
+from ..errors import DistBackendError, DistInputError, DistTypeError
 
 __all__ = [
     "Channel", "Request", "collective_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
-    "EAGER_STEP", "is_eager",
+    "EAGER_STEP", "is_eager", "orphaned_error",
 ]
 
 _COLLECTIVE = 1 << 62
@@ -68,6 +68,15 @@ def tag_text(tag: int) -> str:
     if tag & _COLLECTIVE:
         return f"tag {tag:#x} (collective seq {(tag & ~_COLLECTIVE) >> _SEQ_SHIFT}, step {tag & MAX_STEP})"
     return f"tag {tag}"
+
+
+def orphaned_error(last: str, peer: int, **facts: Any) -> DistBackendError:
+    """The error of a receive from any rank once every other member destroyed the group
+    (``last``, global rank ``peer``, the latest to go)."""
+    return DistBackendError(
+        f"every other member destroyed the group, the last {last}: nothing can arrive",
+        peer=peer, **facts,
+    )
 
 
 def byte_view(data: Any, writable: bool) -> memoryview:

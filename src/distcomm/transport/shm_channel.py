@@ -70,7 +70,7 @@ import numpy as np
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError, DistTimeoutError
 from ..store.base import Store
-from .base import Channel, Request, byte_view, tag_text
+from .base import Channel, Request, byte_view, orphaned_error, tag_text
 from .shm_segment import Segment, open_shared
 from .shm_sync import NAP, _PeerWatch, futex_wait, futex_wake, wait_budget
 
@@ -461,10 +461,7 @@ class ShmChannel(Channel):
             self._complete(req, err or self._gone[gone[0]])
 
     def _orphan_error(self, last: int) -> DistBackendError:
-        return DistBackendError(
-            f"every other member destroyed the group, the last {self._describe(last)}: "
-            "nothing can arrive", rank=self.rank, peer=self._global[last],
-        )
+        return orphaned_error(self._describe(last), self._global[last], rank=self.rank)
 
     def _unstick(self) -> None:
         self._stuck = [False] * self.size

@@ -52,7 +52,7 @@ from ..sockets import recv_exact
 from ..store import auth
 from ..store.base import Store
 from . import tcp_wire as w
-from .base import Channel, Request, is_eager
+from .base import Channel, Request, is_eager, orphaned_error
 from .matching import (
     EAGER_BYTES,
     SENT,
@@ -428,7 +428,7 @@ class TcpTransport:
                     continue
                 p = self._peers.get(r)
                 if p is not None and p.state == "up":
-                    self._queue(p, _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None))
+                    self._queue(p, _leave(group))
                     peers.append(p)
                 elif p is None or p.state != "dead":
                     # Not connected (yet): the LEAVE goes once it is.  A lower rank connects
@@ -452,11 +452,8 @@ class TcpTransport:
     def _fail_orphaned(self, group: int, last: int) -> None:
         """Fail receives from any source of ``group`` once every other member left it
         (``last`` the latest to go): nothing can arrive any more (lock held)."""
-        err = DistBackendError(
-            f"every other member destroyed the group, the last rank {last}: nothing can arrive",
-            peer=last,
-        )
-        self._matcher.fail_orphaned(err, group, lambda r: r == self.rank or (group, r) in self._left)
+        self._matcher.fail_orphaned(orphaned_error(f"rank {last}", last), group,
+                                    lambda r: r == self.rank or (group, r) in self._left)
 
     def close(self) -> None:
         """Stop the progress thread, close every socket, fail what is pending."""
@@ -626,7 +623,7 @@ class TcpTransport:
             p.armed = True
             self._ep.register(sock.fileno(), _EPOLLIN)
             for group in p.leaves:  # after what was queued for it before
-                self._queue(p, _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None))
+                self._queue(p, _leave(group))
             p.leaves.clear()
         self._flush(p)
 
@@ -1368,11 +1365,9 @@ class TcpTransport:
             if left <= 0 or req.sleep(min(_PROBE_AFTER, left)):
                 return
             silent = [p for p in map(self._peers.get, lower) if p is not None and p.state == "awaiting"]
-            if silent:
-                turn %= len(silent)
-                for p in (silent + silent)[turn : turn + min(_PROBES_PER_ROUND, len(silent))]:
-                    self._probe(p)
-                turn += _PROBES_PER_ROUND
+            for i in range(min(_PROBES_PER_ROUND, len(silent))):
+                self._probe(silent[(turn + i) % len(silent)])
+            turn += _PROBES_PER_ROUND
 
     def _probe(self, p: _Peer) -> None:
         """Is the lower rank we wait for still there?  Its listener answers if so.
@@ -1525,6 +1520,11 @@ def _size_mismatch(req: RecvRequest, nbytes: int) -> DistBackendError:
         f"(tag {req.tag:#x}): the ranks passed arrays of different sizes",
         peer=req.source,
     )
+
+
+def _leave(group: int) -> _Out:
+    """The LEAVE frame of ``group`` (this process destroyed it)."""
+    return _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None)
 
 
 def _addr_key(rank: int) -> str:
