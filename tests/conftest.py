@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
-import pytest
 
-from distcomm.testing import check_no_leaks, snapshot, start_forkserver
+def _own_shm_dir() -> None:
+    """Under pytest-xdist, a shared-memory directory of this worker's own.
+
+    The leak check compares the distcomm files in the shared-memory
+    directory before and after each test; workers sharing /dev/shm would
+    see each other's.  Set before distcomm is imported (it reads
+    DISTCOMM_SHM_DIR once); the ranks the tests start inherit it.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or "DISTCOMM_SHM_DIR" in os.environ or not os.path.isdir("/dev/shm"):
+        return
+    path = tempfile.mkdtemp(prefix=f"pytest-{worker}-", dir="/dev/shm")
+    os.environ["DISTCOMM_SHM_DIR"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
+_own_shm_dir()
+
+import pytest  # noqa: E402
+
+from distcomm.testing import check_no_leaks, snapshot, start_forkserver  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -16,8 +38,11 @@ LEAK_GRACE = float(os.environ.get("DISTCOMM_TEST_LEAK_GRACE", "2.0"))
 
 @pytest.fixture(scope="session", autouse=True)
 def _forkserver():
-    """Start run_ranks' fork server (and the resource tracker) before any leak snapshot."""
-    start_forkserver()
+    """Start run_ranks' fork server (and the resource tracker) before any leak snapshot.
+
+    torch is preloaded: many ranks import it, at seconds of CPU each.
+    """
+    start_forkserver(extra_preload=("torch",))
     yield
 
 

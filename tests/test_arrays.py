@@ -152,7 +152,8 @@ def test_non_native_byte_order():
 
 
 @pytest.mark.parametrize(
-    "obj", [[1.0, 2.0], (1, 2), 3, 2.5, None, "abc", {"a": 1}, object()], ids=repr
+    "obj", [[1.0, 2.0], (1, 2), 3, 2.5, None, "abc", {"a": 1}, object()],
+    ids=lambda obj: type(obj).__name__ if type(obj) is object else repr(obj),
 )
 def test_not_an_array(obj):
     with pytest.raises(DistTypeError) as info:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -35,9 +36,10 @@ def test_stores_are_importable_where_torch_users_look():
         assert getattr(distcomm, name).__module__.startswith("distcomm.store")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "distcomm.cli", *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "distcomm.cli", *args], capture_output=True, text=True, timeout=30,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -47,6 +49,13 @@ def test_info_prints_the_facts():
     facts = json.loads(out.stdout)
     assert facts["distcomm"] == distcomm.__version__
     assert facts["numpy"] and facts["cpus"] >= 1
+
+
+def test_info_reports_the_shared_memory_directory_distcomm_uses(tmp_path):
+    out = _cli("info", "--json", env={"DISTCOMM_SHM_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    shm = json.loads(out.stdout)["dev_shm"]
+    assert shm["path"] == str(tmp_path) and shm["usable"] and shm["free_bytes"] > 0
 
 
 def test_unknown_command_is_a_usage_error():

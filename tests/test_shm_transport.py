@@ -18,6 +18,7 @@ from distcomm.store import HashStore, PrefixStore, TCPStore
 from distcomm.testing import free_port, run_ranks
 from distcomm.transport.base import collective_tag
 from distcomm.transport.shm_channel import ShmChannel, layout_bytes, ring_bytes_for
+from distcomm.transport.shm_segment import SHM_DIR
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +27,7 @@ BIG = 3 * RING + 123  # streams through the ring in pieces
 
 
 def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("distcomm")}
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("distcomm")}
 
 
 def _open(rank: int, n: int, port: int, **kw) -> tuple[TCPStore, ShmChannel]:

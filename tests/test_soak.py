@@ -26,6 +26,7 @@ import pytest
 import distcomm
 from distcomm import ReduceOp
 from distcomm.testing import free_port, run_ranks
+from distcomm.transport.shm_segment import SHM_DIR
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(900)]
 
@@ -53,11 +54,12 @@ def _rss_kib() -> int:
 
 
 def _resources(writers_apart: bool = False) -> dict:
-    """This process's open fds, threads, /dev/shm files it created and segments it maps."""
+    """This process's open fds, threads, shm files it created and segments it maps."""
     mine = f"distcomm-{os.getpid()}-"
-    files = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
+    files = [n for n in os.listdir(SHM_DIR) if n.startswith(mine)]
+    mapped = os.path.join(SHM_DIR, "distcomm")
     with open("/proc/self/maps") as f:
-        maps = {line.split(None, 5)[-1].strip() for line in f if "/dev/shm/distcomm" in line}
+        maps = {line.split(None, 5)[-1].strip() for line in f if mapped in line}
     names = [t.name for t in threading.enumerate()]
     # a TCP peer gets its writer thread the first time the kernel refuses bytes (at most
     # one per peer, kept until teardown): counted apart so the check does not hang on timing

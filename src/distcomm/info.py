@@ -49,13 +49,14 @@ def _read(path: str) -> str | None:
 
 
 def _shm() -> dict[str, Any]:
-    path = "/dev/shm"
+    from .transport.shm_segment import SHM_DIR as path  # DISTCOMM_SHM_DIR, or /dev/shm
+
     if not os.path.isdir(path):
-        return {"path": path, "usable": False, "why": "no /dev/shm on this system"}
+        return {"path": path, "usable": False, "why": f"no {path} on this system"}
     usage = shutil.disk_usage(path)
     writable = os.access(path, os.W_OK | os.X_OK)
     return {"path": path, "usable": writable, "total_bytes": usage.total, "free_bytes": usage.free,
-            "why": None if writable else "/dev/shm is not writable by this user"}
+            "why": None if writable else f"{path} is not writable by this user"}
 
 
 def _backends(shm: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -1,8 +1,8 @@
 """Leak checks: what a test started must be gone when it ends.
 
 :func:`snapshot` records this process's live threads, its descendant
-processes, its open sockets and pipes, and the ``/dev/shm/distcomm*``
-entries.  :func:`check_no_leaks` polls for a while for anything newer than a
+processes, its open sockets and pipes, and the ``distcomm*`` entries of the
+shared-memory directory (/dev/shm, or ``DISTCOMM_SHM_DIR``).  :func:`check_no_leaks` polls for a while for anything newer than a
 snapshot to go away and then fails with a list of what stayed::
 
     before = snapshot()
@@ -20,9 +20,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..transport.shm_segment import SHM_DIR
+
 __all__ = ["Snapshot", "snapshot", "find_leaks", "check_no_leaks", "pid_alive", "SHM_DIR", "SHM_PREFIX"]
 
-SHM_DIR = "/dev/shm"
 #: Shared-memory entries distcomm creates start with this.
 SHM_PREFIX = "distcomm"
 #: Kinds of open file descriptors tracked (the text ``readlink`` gives before ``:[``).

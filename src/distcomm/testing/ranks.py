@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing import connection
 from typing import Any
 
@@ -91,31 +91,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def start_forkserver() -> None:
+def start_forkserver(extra_preload: Sequence[str] = ()) -> None:
     """Start the fork server that :func:`run_ranks` uses, with its modules preloaded.
 
     Calling it early (a test session does, once) keeps the server's own
     processes and file descriptors out of per-test leak checks.
+    ``extra_preload``: more modules for the server to import once (for
+    example ``"torch"``, whose import takes seconds in every rank
+    otherwise); those not installed are left out.  It has an effect only on
+    the first call that starts the server.  The preloaded objects are then
+    frozen out of the garbage collector (:func:`gc.freeze`): a rank's
+    collections would otherwise walk, and so copy, all of them.
     """
-    _set_preload()
+    _set_preload(tuple(extra_preload))
     from multiprocessing import forkserver
 
     forkserver.ensure_running()
 
 
-def _set_preload() -> None:
+def _set_preload(extra: tuple[str, ...] = ()) -> None:
     global _preload_set
     with _preload_lock:
         if _preload_set:
             return
         names = []
-        for name in FORKSERVER_PRELOAD:
+        for name in FORKSERVER_PRELOAD + extra:
             # The server survives only ImportError from a preload: skip what is missing.
             try:
                 if name in sys.modules or importlib.util.find_spec(name) is not None:
                     names.append(name)
             except (ImportError, ValueError):
                 continue
+        # last: freeze what was preloaded out of the collector, so ranks never walk it
+        names.append("distcomm.testing._gc_freeze")
         multiprocessing.get_context("forkserver").set_forkserver_preload(names)
         _preload_set = True
 
