@@ -2,8 +2,9 @@
 
 :func:`snapshot` records this process's live threads, its descendant
 processes, its open sockets and pipes, and the ``distcomm*`` entries of the
-shared-memory directory (/dev/shm, or ``DISTCOMM_SHM_DIR``).  :func:`check_no_leaks` polls for a while for anything newer than a
-snapshot to go away and then fails with a list of what stayed::
+shared-memory directory (/dev/shm, or ``DISTCOMM_SHM_DIR``).
+:func:`check_no_leaks` polls for a while for anything newer than a snapshot
+to go away and then fails with a list of what stayed::
 
     before = snapshot()
     ...                       # the test
