@@ -240,6 +240,44 @@ def reduce_op(op: str, dtype: str) -> dist.ReduceOp:
 
 #: Inputs longer than this repeat a block of this (prime) length.
 TILE = 65_537
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_HALF_STEPS = np.array([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])
+
+
+def random_words(seed: str, n: int) -> np.ndarray:
+    """``n`` pseudo-random uint64 words for ``seed`` (SplitMix64 of a counter)."""
+    z = np.arange(1, n + 1, dtype=np.uint64)
+    z *= _GOLDEN
+    z += np.uint64(_hash64(seed))
+    for shift, mix in ((30, _MIX1), (27, _MIX2)):
+        z ^= z >> np.uint64(shift)
+        z *= mix
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+#: Inputs are windows of one pool of random words, at an offset their case's
+#: name picks: a slice costs nothing, where setting up a NumPy Generator per
+#: input cost more than most inputs take to fill.  The fork server imports
+#: this module (conftest), so the ranks it starts share the pool.
+_POOL = random_words("collective_cases pool", 4 * TILE)
+
+
+def pool_words(seed: str, n: int) -> np.ndarray:
+    """``n`` (at most 2 * TILE) random words for ``seed``."""
+    offset = _hash64(seed) % (_POOL.size - n + 1)
+    return _POOL[offset : offset + n]
+
+
+def uniform(words: np.ndarray) -> np.ndarray:
+    """Floats in [0, 1) from random words."""
+    return (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def make(dtype: str, n: int, rank: int, key: str, op: str = "SUM", shape: tuple = ()) -> np.ndarray:
@@ -252,31 +290,31 @@ def make(dtype: str, n: int, rank: int, key: str, op: str = "SUM", shape: tuple 
     """
     if n > TILE:  # large inputs repeat a random block of prime length: cheap to build
         return np.resize(make(dtype, TILE, rank, key, op), n).reshape(shape or (n,))
-    seed = [zlib.crc32(f"{key}|{dtype}|{op}".encode()), rank, n]
-    rng = np.random.default_rng(seed)
     k = kind(dtype)
+    words = pool_words(f"{key}|{dtype}|{op}|{rank}|{n}", 2 * n if k == "c" else n)
     if k == "b":
-        a = rng.random(n) < (0.8 if op in ("PRODUCT", "MIN", "BAND") else 0.3)
+        a = uniform(words) < (0.8 if op in ("PRODUCT", "MIN", "BAND") else 0.3)
     elif k == "i":
-        info = np.iinfo(dtype)
-        a = rng.integers(info.min, info.max, size=n, endpoint=True, dtype=np.dtype(dtype))
+        a = words.astype(dtype)  # the low bits: the whole range of the type
     elif dtype in ("float16", "bfloat16"):
         if op == "PRODUCT":
-            v = rng.choice(np.array([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0]), size=n)
+            v = _HALF_STEPS[words % np.uint64(_HALF_STEPS.size)]
         else:
-            v = rng.integers(-8, 9, size=n).astype(np.float64)
+            v = (words % np.uint64(17)).astype(np.float64) - 8.0
         a = v.astype(storage(dtype))
     elif k == "f":
-        if op == "PRODUCT":
-            v = rng.uniform(0.5, 1.5, n) * rng.choice(np.array([-1.0, 1.0]), n)
+        u = uniform(words)
+        if op == "PRODUCT":  # magnitude in [0.5, 1.5), the sign from the lowest bit
+            v = (0.5 + u) * np.where(words & np.uint64(1), -1.0, 1.0)
         else:
-            v = rng.standard_normal(n)
+            v = 4.0 * u - 2.0
         a = v.astype(dtype)
     else:
+        u = uniform(words).reshape(2, n)
         if op == "PRODUCT":
-            v = rng.uniform(0.8, 1.25, n) * np.exp(1j * rng.uniform(0, 2 * np.pi, n))
+            v = (0.8 + 0.45 * u[0]) * np.exp(2j * np.pi * u[1])
         else:
-            v = rng.standard_normal(n) + 1j * rng.standard_normal(n)
+            v = (4.0 * u[0] - 2.0) + 1j * (4.0 * u[1] - 2.0)
         a = v.astype(dtype)
     return a.reshape(shape) if shape else a
 
@@ -318,7 +356,9 @@ def reference(op: str, dtype: str, arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def digest(arr: Any) -> str:
-    return hashlib.blake2b(np.ascontiguousarray(arr).tobytes(), digest_size=8).hexdigest()
+    """A fingerprint of ``arr``'s bytes (CRC-32 and length: it only has to tell results apart)."""
+    data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return f"{data.size}:{zlib.crc32(data):08x}"
 
 
 # -- the per-rank report -------------------------------------------------------------------
@@ -352,27 +392,40 @@ class Report:
             self.fail(f"{case}: {bad.size} bytes differ, the first at byte {bad[0]}; "
                       f"got {got_arr.reshape(-1)[:4]}..., expected {want.reshape(-1)[:4]}...")
 
-    def reduced(self, case: str, got: Any, want: np.ndarray, dtype: str, world_size: int) -> None:
-        """``got`` must equal the reference: bitwise for bool/ints, allclose for floats."""
+    def reduced(self, case: str, got: Any, want: np.ndarray, dtype: str, world_size: int,
+                size: int | None = None) -> None:
+        """``got`` must equal the reference: bitwise for bool/ints, allclose for floats.
+
+        With ``size``, ``want`` is one period of a result of ``size`` elements
+        that repeats it (see :meth:`Cases.reduction`), and ``got`` is checked
+        against it one period at a time.
+        """
         self.cases += 1
         got_arr = np.asarray(got).reshape(-1)
         want = want.reshape(-1)
-        if got_arr.dtype != storage(dtype) or got_arr.size != want.size:
-            self.fail(f"{case}: got {got_arr.dtype}[{got_arr.size}], expected {dtype}[{want.size}]")
+        size = want.size if size is None else size
+        if got_arr.dtype != storage(dtype) or got_arr.size != size:
+            self.fail(f"{case}: got {got_arr.dtype}[{got_arr.size}], expected {dtype}[{size}]")
             return
-        if kind(dtype) in "bi":
-            if not np.array_equal(got_arr, want):
-                bad = np.flatnonzero(got_arr != want)
-                self.fail(f"{case}: {bad.size} elements wrong, first at {bad[0]}: "
-                          f"got {got_arr[bad[0]]}, expected {want[bad[0]]}")
+        for start in range(0, size, max(want.size, 1)):
+            part = got_arr[start : start + want.size]
+            expected = want[: part.size]
+            if kind(dtype) in "bi":
+                if np.array_equal(part, expected):
+                    continue
+                bad = np.flatnonzero(part != expected)
+                got_first = part[bad[0]]
+            else:
+                wide = part.astype(np.complex128 if kind(dtype) == "c" else np.float64)
+                rtol, atol = _TOLERANCE[dtype]
+                close = np.isclose(wide, expected, rtol=rtol, atol=atol * world_size, equal_nan=True)
+                if close.all():
+                    continue
+                bad = np.flatnonzero(~close)
+                got_first = wide[bad[0]]
+            self.fail(f"{case}: {bad.size} of elements {start}..{start + part.size - 1} wrong, "
+                      f"first at {start + bad[0]}: got {got_first}, expected {expected[bad[0]]}")
             return
-        wide = got_arr.astype(np.complex128 if kind(dtype) == "c" else np.float64)
-        rtol, atol = _TOLERANCE[dtype]
-        close = np.isclose(wide, want, rtol=rtol, atol=atol * world_size, equal_nan=True)
-        if not close.all():
-            bad = np.flatnonzero(~close)
-            self.fail(f"{case}: {bad.size} elements off, first at {bad[0]}: "
-                      f"got {wide[bad[0]]}, expected {want[bad[0]]}")
 
     def agree(self, case: str, got: Any) -> None:
         """Record ``got`` as a result every rank must hold bitwise identically."""
@@ -418,6 +471,17 @@ class Cases:
 
     def inputs(self, dtype: str, n: int, key: str, op: str = "SUM") -> list[np.ndarray]:
         return [make(dtype, n, r, key, op) for r in range(self.ws)]
+
+    def reduction(self, dtype: str, n: int, key: str, op: str) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's input of reduction case ``key``, and the expected result.
+
+        Inputs longer than TILE repeat their first TILE elements, so the result
+        does too: the reference is computed for one period only (pass ``size=n``
+        to :meth:`Report.reduced`), and no rank builds its peers' large inputs.
+        """
+        period = [make(dtype, min(n, TILE), r, key, op) for r in range(self.ws)]
+        mine = period[self.rank] if n <= TILE else make(dtype, n, self.rank, key, op)
+        return mine, reference(op, dtype, period)
 
 
 def as_buffer(arr: np.ndarray) -> bytearray:
@@ -468,10 +532,9 @@ def _all_reduce(c: Cases) -> None:
                   ("MAX", "bfloat16", c.large("bfloat16")), ("PRODUCT", "complex64", 50_000)]
     for op, dtype, n in cases:
         key = f"all_reduce/{op}/{dtype}/{n}"
-        inputs = c.inputs(dtype, n, key, op)
-        t = inputs[rank].copy()
+        t, want = c.reduction(dtype, n, key, op)
         dist.all_reduce(t, op=reduce_op(op, dtype))
-        rep.reduced(key, t, reference(op, dtype, inputs), dtype, ws)
+        rep.reduced(key, t, want, dtype, ws, size=n)
         rep.agree(key, t)
     # bytearray (uint8 through the buffer protocol)
     for op in ("SUM", "BXOR", "MAX"):
@@ -513,16 +576,16 @@ def _reduce(c: Cases) -> None:
     for i, op, dtype, n in cases:
         root = (i + 2) % ws
         key = f"reduce/{op}/{dtype}/{n}"
-        inputs = c.inputs(dtype, n, key, op)
-        t = inputs[rank].copy()
+        mine, want = c.reduction(dtype, n, key, op)
+        t = mine.copy()
         if i % 3 == 1:
             dist.reduce(t, group_dst=root, op=reduce_op(op, dtype))
         else:
             dist.reduce(t, dst=root, op=reduce_op(op, dtype))
         if rank == root:
-            rep.reduced(f"{key} dst={root}", t, reference(op, dtype, inputs), dtype, ws)
+            rep.reduced(f"{key} dst={root}", t, want, dtype, ws, size=n)
         else:  # distcomm keeps the input of ranks other than dst intact
-            rep.exact(f"{key} dst={root}: input of rank {rank}", t, inputs[rank])
+            rep.exact(f"{key} dst={root}: input of rank {rank}", t, mine)
 
 
 def _all_gather(c: Cases) -> None:

@@ -40,9 +40,10 @@ LEAK_GRACE = float(os.environ.get("DISTCOMM_TEST_LEAK_GRACE", "2.0"))
 def _forkserver():
     """Start run_ranks' fork server (and the resource tracker) before any leak snapshot.
 
-    torch is preloaded: many ranks import it, at seconds of CPU each.
+    torch is preloaded: many ranks import it, at seconds of CPU each; so is
+    the rank-side code of the behaviour suite, with its pool of random inputs.
     """
-    start_forkserver(extra_preload=("torch",))
+    start_forkserver(extra_preload=("torch", "collective_cases"))
     yield
 
 

@@ -278,6 +278,7 @@ def test_real_torchrun(tmp_path):
     prog.write_text(textwrap.dedent(PROG))
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(prog)], capture_output=True, text=True, timeout=55, env=_clean_env(), cwd=tmp_path)
+         str(prog)], capture_output=True, text=True, timeout=55, cwd=tmp_path,
+        env=dict(_clean_env(), TMPDIR=str(tmp_path)))  # torchrun leaves its log directory in TMPDIR
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(out.stdout.splitlines()) == [f"rank {r} of 2 sum 2.0 local {r}" for r in (0, 1)]

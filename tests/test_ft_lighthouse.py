@@ -234,10 +234,12 @@ def _wd(port: int, method: str, path: str, body: dict | None = None) -> dict:
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
                     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-def test_status_page_in_a_headless_browser():
+def test_status_page_in_a_headless_browser(tmp_path):
     driver_port = free_port()
+    # chromium keeps its profile and scratch directories under TMPDIR: under tmp_path they are removed
     driver = subprocess.Popen(["chromedriver", f"--port={driver_port}"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+                              stderr=subprocess.DEVNULL, start_new_session=True,
+                              env=dict(os.environ, TMPDIR=str(tmp_path)))
     try:
         deadline = time.monotonic() + 20
         while True:

@@ -77,10 +77,11 @@ def test_death_before_first_contact(backend, last, tmp_path):
         assert seconds < 4, f"rank {rank} heard of rank 1's death after {seconds:.1f} s (timeout 6 s)"
 
 
-def _peer_leaves(rank: int, world_size: int, backend: str, port: int, which: str) -> dict:
+def _peer_leaves(rank: int, world_size: int, backend: str, port: int, which: str,
+                 directory: str) -> dict:
     """Rank 0 destroys its group (``which``: the default one, i.e. everything, or a group of
-    all ranks) and stays alive; the others wait on it in that group."""
-    from collective_cases import init
+    all ranks) and stays alive until the others, waiting on it in that group, have failed."""
+    from collective_cases import init, wait_for
 
     init(rank, world_size, backend, port, timeout=60)
     sub = dist.new_group(list(range(world_size)))
@@ -93,18 +94,21 @@ def _peer_leaves(rank: int, world_size: int, backend: str, port: int, which: str
             time.sleep(0.01)
             past = store.add("past barrier", 0)
     group = None if which == "default" else sub
+    heard = [os.path.join(directory, f"heard.{r}") for r in range(1, world_size)]
     if rank == 0:
         dist.destroy_process_group(group)
-        time.sleep(4)  # alive, its group gone
+        # alive, its group gone, until every other rank has its answer (or 10 s)
+        out = {"outlived_the_others": wait_for(lambda: all(map(os.path.exists, heard)), 10.0)}
         if group is not None:
             dist.destroy_process_group()
-        return {}
+        return out
     t0 = time.monotonic()
     try:
         dist.all_reduce(np.ones(4), group=group)
-        out: dict = {"error": None}
+        out = {"error": None}
     except dist.DistBackendError as e:
         out = {"error": str(e), "peer": e.peer, "seconds": time.monotonic() - t0}
+    open(heard[rank - 1], "w").close()
     dist.destroy_process_group()
     return out
 
@@ -112,12 +116,13 @@ def _peer_leaves(rank: int, world_size: int, backend: str, port: int, which: str
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("which", ["default", "subgroup"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_peer_that_destroys_its_group_fails_the_others_waits_at_once(backend, which):
-    results = run_world(_peer_leaves, 3, backend, which, timeout=45)
+def test_a_peer_that_destroys_its_group_fails_the_others_waits_at_once(backend, which, tmp_path):
+    results = run_world(_peer_leaves, 3, backend, which, str(tmp_path), timeout=45)
+    assert results[0]["outlived_the_others"], "ranks 1 and 2 had no answer 10 s after rank 0 left"
     for rank in (1, 2):
         r = results[rank]
         assert r["error"] is not None and "rank 0" in r["error"] and "destroyed" in r["error"], r
-        assert r["seconds"] < 2.5, f"rank {rank} heard after {r['seconds']:.1f} s (rank 0 stayed alive 4 s)"
+        assert r["seconds"] < 2.5, f"rank {rank} heard after {r['seconds']:.1f} s"
 
 
 def _interrupted(rank: int, world_size: int, backend: str, port: int) -> dict:

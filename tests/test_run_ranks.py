@@ -445,7 +445,10 @@ def test_ranks_die_with_a_killed_caller(tmp_path, context):
     script.write_text(ORPHAN_SCRIPT)
     pids = tmp_path / "pids"
     pids.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    scratch = tmp_path / "tmp"  # the killed caller cannot remove its run_ranks directory
+    scratch.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+               TMPDIR=str(scratch))
     caller = subprocess.Popen([sys.executable, str(script), str(pids), context], env=env)
     try:
         deadline = time.monotonic() + 30
