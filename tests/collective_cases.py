@@ -6,9 +6,12 @@ run the module-level functions here as real processes with
 :func:`distcomm.testing.run_ranks` (the fork server imports this module by
 name, so everything a rank runs must live at module level).
 
-Every rank builds the inputs of *every* rank from a seeded generator
-(:func:`make`), so it can compute the expected result with plain NumPy
-(:func:`reference`), independently of distcomm's own reduction code.  Data
+Every rank can build the input of *every* rank for a case (:func:`make`:
+a window of a fixed pool of random words that the case's name picks), so it
+computes the expected result with plain NumPy (:func:`reference`),
+independently of distcomm's own reduction code; inputs above ``TILE``
+elements repeat their first ``TILE``, and so do their reductions, which are
+computed and checked one period at a time (:meth:`Cases.reduction`).  Data
 movement must be bitwise exact; reductions are exact for bool and integers
 (they wrap around) and ``allclose`` for floating point.  A rank collects
 mismatches instead of stopping at the first one and returns a

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -234,12 +235,14 @@ def _wd(port: int, method: str, path: str, body: dict | None = None) -> dict:
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
                     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-def test_status_page_in_a_headless_browser(tmp_path):
+def test_status_page_in_a_headless_browser():
     driver_port = free_port()
-    # chromium keeps its profile and scratch directories under TMPDIR: under tmp_path they are removed
+    # chromium keeps its profile and scratch directories in TMPDIR and leaves them there;
+    # a short path, as its unix sockets live there too (at most 107 bytes)
+    scratch = tempfile.mkdtemp(prefix="chromium-")
     driver = subprocess.Popen(["chromedriver", f"--port={driver_port}"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True,
-                              env=dict(os.environ, TMPDIR=str(tmp_path)))
+                              env=dict(os.environ, TMPDIR=scratch))
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -251,8 +254,9 @@ def test_status_page_in_a_headless_browser(tmp_path):
                 time.sleep(0.1)
         with LighthouseThread(min_replicas=2, heartbeat_timeout=60) as lh:  # fake replicas do not beat
             a, b = _fake_replica(lh.address, "a"), _fake_replica(lh.address, "b")
-            sid = _chromedriver_session(driver_port)
+            sid = None
             try:
+                sid = _chromedriver_session(driver_port)
                 _wd(driver_port, "POST", f"/session/{sid}/url", {"url": f"http://{lh.address}/"})
 
                 def page(script: str):
@@ -282,7 +286,9 @@ def test_status_page_in_a_headless_browser(tmp_path):
             finally:
                 a.close()
                 b.close()
-                _wd(driver_port, "DELETE", f"/session/{sid}")
+                if sid is not None:
+                    _wd(driver_port, "DELETE", f"/session/{sid}")
     finally:
         os.killpg(driver.pid, signal.SIGTERM)
         driver.wait(10)
+        shutil.rmtree(scratch, ignore_errors=True)
