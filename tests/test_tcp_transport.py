@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ from distcomm.store import TCPStore
 from distcomm.testing import free_port, run_ranks
 from distcomm.transport import tcp_wire
 from distcomm.transport.base import EAGER_STEP, collective_tag, is_eager
-from distcomm.transport.matching import EAGER_BYTES, BufferPool
+from distcomm.transport.matching import EAGER_BYTES, BufferPool, size_class
 from distcomm.transport.tcp import TcpTransport, spin_seconds
 
 pytestmark = pytest.mark.timeout(120)
@@ -288,6 +289,25 @@ def test_early_buffers_are_reused_and_bounded():
     pool.put(bytes(8192))
     got = pool.take(8192)
     assert isinstance(got, bytearray) and len(got) == 8192
+
+
+def test_early_buffers_of_nearby_sizes_share_a_size_class():
+    assert all(n <= size_class(n) <= n * 1.125 for n in range(1, 1 << 18))
+    pool = BufferPool(16 << 20)
+    a = pool.take(100_000)
+    pool.put(a)
+    b = pool.take(99_000)  # the same class: the same buffer, cut to the length asked for
+    assert b is a and len(b) == 99_000
+    pool.put(b)
+    c = pool.take(size_class(100_000))  # grown back within its capacity
+    assert c is a and len(c) == size_class(100_000)
+    # a stream of varied sizes, one message at a time, keeps one buffer per class it used:
+    # by exact size it kept one per size until the pool was full (16 MiB here)
+    rng = random.Random(5)
+    for _ in range(3000):
+        pool.put(pool.take(int(2 ** rng.uniform(12, 18))))
+    held = sum(len(bufs) for bufs in pool._free.values())
+    assert held == len(pool._free) <= 8 * 6 + 1, held
 
 
 def _early_reuse(rank: int, n: int, port: int) -> bool:

@@ -30,7 +30,7 @@ from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
 from .base import Request, is_eager
 
-__all__ = ["EAGER_BYTES", "SENT", "BufferPool", "Matcher", "RecvRequest", "SendRequest"]
+__all__ = ["EAGER_BYTES", "SENT", "BufferPool", "Matcher", "RecvRequest", "SendRequest", "size_class"]
 
 #: Largest message sent without waiting for the receiver's grant
 #: (``DISTCOMM_EAGER_BYTES`` overrides it, for experiments; same on every rank).
@@ -318,9 +318,22 @@ class Matcher:
                 del self.posts[key]
 
 
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to one of eight steps per power of two (at most 1/8 more)."""
+    step = 1 << max(nbytes.bit_length() - 4, 0)
+    return -(-nbytes // step) * step
+
+
 class BufferPool:
-    """Byte buffers by size, reused for early messages: at most ``limit`` bytes are
-    kept, and none under ``smallest`` bytes (those are cheap to make)."""
+    """Byte buffers reused for early messages: at most ``limit`` bytes are kept, and
+    none under ``smallest`` bytes (those are cheap to make).
+
+    Buffers are kept by :func:`size_class`, so messages of sizes that vary
+    (but stay near each other) reuse them too; a buffer is made with its
+    class's capacity and handed out resized to the length asked for, which
+    CPython does in place within that capacity.  Keyed by exact size, a
+    stream of varied sizes filled the pool with buffers never asked for again.
+    """
 
     def __init__(self, limit: int, smallest: int = 4096) -> None:
         self._limit = limit
@@ -330,31 +343,41 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> bytearray:
-        if nbytes >= self._smallest:
-            with self._lock:
-                free = self._free.get(nbytes)
-                if free:
-                    self._held -= nbytes
-                    buf = free.pop()
-                    if not free:
-                        del self._free[nbytes]
-                    return buf
-        return bytearray(nbytes)
+        if nbytes < self._smallest:
+            return bytearray(nbytes)
+        cls = size_class(nbytes)
+        buf = None
+        with self._lock:
+            free = self._free.get(cls)
+            if free:
+                self._held -= cls
+                buf = free.pop()
+                if not free:
+                    del self._free[cls]
+        if buf is None:
+            buf = bytearray(cls)
+        have = len(buf)
+        if nbytes < have:
+            del buf[nbytes:]
+        elif nbytes > have:
+            buf += bytes(nbytes - have)
+        return buf
 
     def put(self, buf: bytearray | bytes) -> None:
         """Keep ``buf`` for a later :meth:`take` (only writable ``bytearray`` buffers)."""
         n = len(buf)
         if n < self._smallest or n > self._limit or type(buf) is not bytearray:
             return
+        cls = size_class(n)
         with self._lock:
-            while self._held + n > self._limit and self._free:  # make room: drop other sizes
+            while self._held + cls > self._limit and self._free:  # make room: drop other sizes
                 size, bufs = next(iter(self._free.items()))
                 bufs.pop()
                 self._held -= size
                 if not bufs:
                     del self._free[size]
-            self._free.setdefault(n, []).append(buf)
-            self._held += n
+            self._free.setdefault(cls, []).append(buf)
+            self._held += cls
 
 
 def lost_peer_error(rank: int, what: str, group_rank: int | None = None) -> DistBackendError:

@@ -74,8 +74,14 @@ _BIG_BODY = 64 * 1024  # after a payload this large, the next header is read wit
 _SMALL_READ = 4096  # ... a read this small (the next payload then skips the staging copy)
 _SOCK_BUF = int(os.environ.get("DISTCOMM_SOCK_BUF", "0"))
 EARLY_BUDGET = 64 * 1024 * 1024  # early (unmatched) bytes kept before reading pauses
-#: Buffers of early messages kept for reuse (no fresh, zeroed memory for each).
-EARLY_POOL_BYTES = 16 * 1024 * 1024
+#: Buffers of early messages kept for reuse, from this size up: below it malloc
+#: serves them from its heap cheaply, above it a fresh buffer was a fresh mapping,
+#: zeroed page by page (a 256 KiB one took 350 us against 25 us from the pool) ...
+EARLY_POOL_MIN_BYTES = 128 * 1024
+#: ... and at most one eager-sized message per peer of them, or this many bytes in
+#: small worlds (a pool that kept every size it saw grew a process by 16 MiB under
+#: varied sizes; a bound fills up on rare peaks, so it is kept near what one call needs).
+EARLY_POOL_BYTES = 1024 * 1024
 #: Worlds up to this size learn every peer's address at initialisation.
 ADDRESS_PREFETCH_MAX = 1024
 #: A published address that refuses connections this long belongs to a process that left.
@@ -215,7 +221,7 @@ class TcpTransport:
         self._spin_skip = 0  # waits left that sleep without spinning (see _pump)
         self._mu = threading.Lock()
         self._matcher = Matcher()
-        self._early_pool = BufferPool(EARLY_POOL_BYTES, _COPY_BYTES)
+        self._early_pool = BufferPool(max(EARLY_POOL_BYTES, (size - 1) * EAGER_BYTES), EARLY_POOL_MIN_BYTES)
         self._peers: dict[int, _Peer] = {}
         self._fds: dict[int, object] = {}
         self._closed = False
