@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+from collective_cases import AUTO_SPLIT, real_backend
 
 import distcomm
 from distcomm import ReduceOp
@@ -193,7 +194,7 @@ def _soak_rank(rank: int, n: int, port: int, backend: str, count: int, seed: int
     assert n == WORLD
     gc.collect()
     before_init = _resources()
-    distcomm.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    distcomm.init_process_group(real_backend(backend, rank), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n, timeout=120)
     soak = _Soak(rank, seed)
     try:
@@ -229,7 +230,7 @@ def _soak_rank(rank: int, n: int, port: int, backend: str, count: int, seed: int
             "counts": soak.counts}
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", AUTO_SPLIT])
 def test_soak_mixed_collectives(backend):
     env = {"DISTCOMM_EAGER_CONNECT": "1"}
     results = run_ranks(_soak_rank, WORLD, free_port(), backend, COUNT, 1234, timeout=880, env=env)
