@@ -428,10 +428,17 @@ def _alltoall_rank(rank: int, world_size: int, backend: str, port: int) -> dict:
     return {"bad": bad, "remote": remote}
 
 
-@pytest.mark.parametrize("remote", [True, False])
+_ALLTOALL_MODES = {  # environment, and whether the large even all_to_all reads in place
+    "in place": ({**_REMOTE_ENV, "DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES": str(_REMOTE_BYTES)}, True),
+    "default": ({}, False),  # below DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES (32 MiB): through the slots
+    "no cma": ({"DISTCOMM_SHM_CMA": "0", "DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES": "0"}, False),
+}
+
+
+@pytest.mark.parametrize("mode", list(_ALLTOALL_MODES))
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_to_all_reads_even_blocks_in_place(world_size, remote):
-    env = _REMOTE_ENV if remote else {"DISTCOMM_SHM_CMA": "0"}
+def test_all_to_all_reads_even_blocks_in_place(world_size, mode):
+    env, remote = _ALLTOALL_MODES[mode]
     results = run_world(_alltoall_rank, world_size, "shm", timeout=60, env=env)
     for r in results:
         assert not r["bad"], r["bad"]

@@ -16,7 +16,9 @@ the largest ``all_reduce`` done in one phase by every rank (default 64 KiB).
 Large ``all_reduce``, ``all_gather_into_tensor`` and even ``all_to_all_single``
 read peers' private arrays in place where the kernel allows it (cross-memory
 attach, probed when the group is made; ``DISTCOMM_SHM_CMA=0`` turns it off),
-from ``DISTCOMM_SHM_REMOTE_BYTES`` up (default 1 MiB; see :mod:`.shm_collectives`).
+from ``DISTCOMM_SHM_REMOTE_BYTES`` up (default 1 MiB), ``all_to_all_single``
+from ``DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES`` up (default 32 MiB; see
+:mod:`.shm_collectives`).
 
 The world group (the one named ``"default"`` by the backend factories) also
 opens every rank's heap (:mod:`~distcomm.transport.shm_heap`,
@@ -49,7 +51,7 @@ from ..transport.shm_heap import Heap, SharedHeaps, heap_bytes
 from ..transport.shm_segment import Segment, host_key, open_shared
 from ..transport.shm_sync import LINE, Control, control_bytes
 from .channel_group import ChannelProcessGroup
-from .shm_collectives import HEADER, ShmCollectives
+from .shm_collectives import ALLTOALL_REMOTE_BYTES, HEADER, ShmCollectives
 
 __all__ = ["ShmProcessGroup", "ShmBackend", "check_one_host"]
 
@@ -115,7 +117,8 @@ class ShmProcessGroup(ChannelProcessGroup):
                 for r in range(size)
             ]
             remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 1 << 20, 0)
-            collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote)
+            a2a_remote = _env_bytes("DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES", ALLTOALL_REMOTE_BYTES, 0)
+            collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote, a2a_remote)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
                                       describe=describe, local_ranks=local_ranks, ranks=ranks)
         except BaseException:

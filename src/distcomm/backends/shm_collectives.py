@@ -60,7 +60,13 @@ its owner publishes its address (header word 3) instead of filling round 0,
 and peers read it where it lies, one kernel copy (``_Sources``).  The decision
 and the phases are those of direct mode, a rank's array being in its heap or
 readable through the kernel.  ``all_reduce`` and ``all_gather_into_tensor``
-use it; ``all_to_all_single`` with even blocks switches to it after round 0;
+use it; ``all_to_all_single`` with even blocks switches to it after round 0,
+from ``alltoall_remote_bytes`` (32 MiB) up.  The kernel read is fast from a
+fresh mapping in huge pages and four to seven times slower from malloc's heap
+in 4 KiB pages, which it pins one by one; glibc maps every block from 32 MiB
+afresh (its largest mmap threshold), and below that an array of a program
+that has freed large ones comes from the heap, where the all_to_all's rounds
+through the slots were 1.2-2x faster (docs/benchmarks.md);
 ``broadcast`` and ``reduce_scatter_tensor`` do not (their copies into the
 slots run on every rank at once, which beats one rank reading through the
 kernel).
@@ -93,6 +99,8 @@ HEADER = 64
 #: and checked between calls: 0.90-0.95x the time at 1 and 16 MiB, even at 4 MiB and
 #: at 4 ranks; 2 and 4 MiB pieces were slower at 16 MiB.
 _PIECE_BYTES = 1024 * 1024
+#: Default smallest all_to_all send buffer read in place (see "Remote mode" above).
+ALLTOALL_REMOTE_BYTES = 32 * 1024 * 1024
 #: What the first phase of a collective that may go direct (``_open``) decided.
 DIRECT, SLOTS, AGAIN = "direct", "slots", "again"
 
@@ -161,7 +169,7 @@ class ShmCollectives:
 
     def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int,
                  heaps: list[np.ndarray] | None = None, reader: PeerReader | None = None,
-                 remote_bytes: int = 0) -> None:
+                 remote_bytes: int = 0, alltoall_remote_bytes: int = ALLTOALL_REMOTE_BYTES) -> None:
         self.ctl = control
         self.rank = control.rank
         self.size = control.size
@@ -187,6 +195,8 @@ class ShmCollectives:
         self.reader = reader
         #: Smallest array read that way (bytes).
         self.remote_bytes = max(remote_bytes, self.small_bytes + 1)
+        #: Smallest ``all_to_all`` send buffer whose blocks peers read that way.
+        self.alltoall_remote_bytes = max(alltoall_remote_bytes, self.remote_bytes)
         self.remote_calls = 0
         self._scratch = np.empty(_PIECE_BYTES, np.uint8)
         if heaps is not None:
@@ -783,7 +793,7 @@ class ShmCollectives:
                     per: int) -> int:
         """The block of an all_to_all whose blocks peers may read in this rank's send
         buffer (every count equal, more than a round, large enough), else 0."""
-        if self.reader is None or send.nbytes < self.remote_bytes:
+        if self.reader is None or send.nbytes < self.alltoall_remote_bytes:
             return 0
         m = send_counts[0]
         if m <= per or any(c != m for c in send_counts) or any(c != m for c in recv_counts):
