@@ -299,6 +299,18 @@ def test_free_port_can_be_bound():
         s.bind(("127.0.0.1", port))
 
 
+def test_free_port_stays_out_of_the_kernels_ephemeral_range():
+    """Ports the kernel hands out to bind(0) and outgoing connections could be taken
+    (by a listener of a test running beside this one) before the caller binds them."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    if low <= 11_000:
+        pytest.skip(f"the ephemeral range starts at {low}: free_port falls back to the kernel's choice")
+    ports = {free_port() for _ in range(50)}
+    assert all(10_000 <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 40  # spread over the range, not one port again and again
+
+
 # -- the leak check itself ---------------------------------------------------------------
 
 

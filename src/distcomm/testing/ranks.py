@@ -33,6 +33,7 @@ import importlib.util
 import multiprocessing
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -84,8 +85,38 @@ class RankFailedError(DistError):
     cause: Any = None
 
 
+#: Lowest port :func:`free_port` picks (it stays below the kernel's ephemeral range).
+_FREE_PORT_LOW = 10_000
+_port_rng = random.Random()  # seeded from the OS: every process picks its own ports
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago."""
+    """Return a TCP port that was free on ``host`` a moment ago.
+
+    It is picked below the kernel's ephemeral range: a port the kernel hands
+    out (to ``bind`` to port 0, or as the source of an outgoing connection)
+    could be taken by another process before the caller binds it, such as a
+    listener of a test running beside this one, which its clients would then
+    reach instead.  Falls back to a port of the kernel's choice.
+    """
+    high = _ephemeral_low()
+    for _ in range(64) if high > _FREE_PORT_LOW + 1000 else ():
+        port = _port_rng.randrange(_FREE_PORT_LOW, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
