@@ -308,6 +308,12 @@ def test_early_buffers_of_nearby_sizes_share_a_size_class():
         pool.put(pool.take(int(2 ** rng.uniform(12, 18))))
     held = sum(len(bufs) for bufs in pool._free.values())
     assert held == len(pool._free) <= 8 * 6 + 1, held
+    # a buffer still exported (a memoryview alive) cannot be resized: a fresh one instead
+    d = pool.take(200_000)
+    view = memoryview(d)
+    pool.put(d)
+    e = pool.take(199_000)
+    assert e is not d and len(e) == 199_000 and len(view) == 200_000
 
 
 def _early_reuse(rank: int, n: int, port: int) -> bool:

@@ -354,21 +354,26 @@ class BufferPool:
                 buf = free.pop()
                 if not free:
                     del self._free[cls]
-        if buf is None:
-            buf = bytearray(cls)
-        have = len(buf)
-        if nbytes < have:
-            del buf[nbytes:]
-        elif nbytes > have:
-            buf += bytes(nbytes - have)
+        if buf is not None:
+            try:
+                have = len(buf)
+                if nbytes < have:
+                    del buf[nbytes:]
+                elif nbytes > have:
+                    buf += bytes(nbytes - have)
+                return buf
+            except BufferError:  # still exported somewhere (a memoryview): leave it be
+                pass
+        buf = bytearray(cls)
+        del buf[nbytes:]  # within its capacity: it can grow back to the class's size in place
         return buf
 
     def put(self, buf: bytearray | bytes) -> None:
         """Keep ``buf`` for a later :meth:`take` (only writable ``bytearray`` buffers)."""
         n = len(buf)
-        if n < self._smallest or n > self._limit or type(buf) is not bytearray:
-            return
         cls = size_class(n)
+        if n < self._smallest or cls > self._limit or type(buf) is not bytearray:
+            return
         with self._lock:
             while self._held + cls > self._limit and self._free:  # make room: drop other sizes
                 size, bufs = next(iter(self._free.items()))
