@@ -11,8 +11,10 @@ logging one JSON line per step and rank.  Every ``--kill-every`` committed
 steps, once every replica is back and contributing, one replica chosen at
 random is killed with SIGKILL (one random rank of it) and started again: a
 replica group's other ranks must notice and exit by themselves, then the
-whole group starts again, as ``distcomm run --max-restarts`` does.  At the
-end it checks, from the logs:
+whole group starts again, as ``distcomm run --max-restarts`` does.  The
+survivors do not wait for it (unless ``--min-replicas`` is every replica),
+so no replica is killed when, at their recent pace, they would finish before
+a restart could be back (``--restart-allowance``).  At the end it checks, from the logs:
 
 * every rank of every replica finished the planned number of committed
   steps, and no step is missing from the record (no lost commit);
@@ -92,6 +94,27 @@ class Replica:
         return time.time() - t0
 
 
+class Pace:
+    """The survivors' recent pace (committed steps per second), to tell how long the run has left."""
+
+    def __init__(self, window: float = 3.0) -> None:
+        self.window = window
+        self.samples: list[tuple[float, int]] = []
+
+    def add(self, t: float, step: int) -> None:
+        if not self.samples or step != self.samples[-1][1]:
+            self.samples.append((t, step))
+        while len(self.samples) > 2 and t - self.samples[1][0] > self.window:
+            del self.samples[0]
+
+    def seconds_left(self, step: int, steps: int) -> float:
+        """Seconds until ``steps`` at the recent pace; infinite before two steps were seen."""
+        if len(self.samples) < 2:
+            return float("inf")
+        (t0, s0), (t1, s1) = self.samples[0], self.samples[-1]
+        return (steps - step) * (t1 - t0) / (s1 - s0)
+
+
 class Log:
     """A replica rank's JSON-lines log, read incrementally (the harness polls it often)."""
 
@@ -158,6 +181,8 @@ def run(args: argparse.Namespace) -> dict:
         last_kill_step = 0
         pending_victim: Replica | None = None
         hung = False
+        pace = Pace()
+        restart_seen = 0.0  # the slowest restart so far, to its replica contributing again
         try:
             while any(r.running() for r in replicas):
                 time.sleep(0.02)
@@ -167,16 +192,23 @@ def run(args: argparse.Namespace) -> dict:
                 for log in logs.values():
                     log.update()
                 step = max(log.last_commit for log in logs.values())
+                pace.add(time.time(), step)
                 if pending_victim is not None:
                     back = [any(x.get("committed") and not x.get("healing") and x.get("t", 0) > pending_victim.started
                                 for x in logs[(pending_victim.rid, k)].records) for k in range(size)]
                     if not all(back):
                         continue  # wait until the restarted replica contributes again (all its ranks)
+                    restart_seen = max(restart_seen, time.time() - pending_victim.started)
                     pending_victim = None
                     last_kill_step = step  # count --kill-every from here
                 if len(kills) >= args.kills or step >= args.steps - args.quiet_steps:
                     continue
                 if step - last_kill_step < args.kill_every or step == 0:
+                    continue
+                # with fewer than every replica a quorum, the survivors go on without the victim:
+                # it must be back before they finish
+                allowance = max(args.restart_allowance, 3 * restart_seen)
+                if args.min_replicas < args.replicas and pace.seconds_left(step, args.steps) < allowance:
                     continue
                 victim = rng.choice(replicas)
                 rank = rng.randrange(size)
@@ -224,7 +256,7 @@ def check(args: argparse.Namespace, records: dict[tuple[str, int], list[dict]], 
     for (rid, rank), f in finals.items():
         if not f or f[-1]["step"] != args.steps:
             problems.append(f"{rid} rank {rank} did not finish {args.steps} committed steps "
-                            f"(final: {f[-1]['step'] if f else 'none'})")
+                            f"(final: {f[-1]['step'] if f else 'none'}){_late_restart(rid, records, kills)}")
     by_step: dict[tuple[int, int], set] = {}  # (rank, step) -> checksums of that rank's state
     attempts: dict[tuple, dict[str, bool]] = {}
     for (rid, rank), rs in records.items():
@@ -261,6 +293,21 @@ def check(args: argparse.Namespace, records: dict[tuple[str, int], list[dict]], 
         "final_eval_loss": loss, "reference_eval_loss": ref, **timings(records, kills),
         "heals": sum(f[-1]["stats"]["heals"] for f in finals.values() if f),
     }
+
+
+def _late_restart(rid: str, records: dict[tuple[str, int], list[dict]], kills: list[dict]) -> str:
+    """Why a replica may have missed the end: its last restart never committed before the others finished."""
+    mine = [k for k in kills if k["replica"] == rid]
+    if not mine:
+        return ""
+    k = mine[-1]
+    back = [x for (r, _), rs in records.items() if r == rid for x in rs
+            if x.get("committed") and x.get("t", 0) > k["restart_t"]]
+    ends = [x["t"] for (r, _), rs in records.items() if r != rid for x in rs if x.get("final")]
+    if back or not ends:
+        return ""
+    return (f"; restarted after step {k['step']}, {max(ends) - k['restart_t']:.2f} s before the others "
+            f"finished, it never committed again")
 
 
 def timings(records: dict[tuple[str, int], list[dict]], kills: list[dict]) -> dict:
@@ -322,6 +369,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--kill-every", type=int, default=10, help="committed steps between kills (at least)")
     ap.add_argument("--quiet-steps", type=int, default=15, help="no kill in the last N steps")
+    ap.add_argument("--restart-allowance", type=float, default=3.0,
+                    help="no kill when the survivors would finish within this many seconds, or within three "
+                         "times the slowest restart so far (the survivors do not wait for a restarted replica)")
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--ranks-per-replica", type=int, default=1,
                     help="processes per replica (a replica group; its state sharded over them)")
