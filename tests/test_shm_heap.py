@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 
 import numpy as np
@@ -443,3 +444,37 @@ def test_all_to_all_reads_even_blocks_in_place(world_size, mode):
     for r in results:
         assert not r["bad"], r["bad"]
     assert [r["remote"] for r in results] == [1 if remote else 0] * world_size
+
+
+def _distance_rank(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Private arrays 16 bytes further into their page on each rank: every read from a
+    lower rank lands 16 bytes after its source, the kernel's slow case, and bounces."""
+    _init(rank, world_size, backend, port)
+    n, count = world_size, 300_001
+    pool = np.frombuffer(mmap.mmap(-1, 8 * count * n + 8192, flags=mmap.MAP_PRIVATE), np.uint8)
+    every = [_inputs(r, count, "float32") for r in range(n)]
+    bad = []
+    x = pool[16 * rank : 16 * rank + 4 * count].view(np.float32)
+    x[:] = every[rank]
+    dist.all_reduce(x)
+    if not np.allclose(x, np.sum(every, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-4):
+        bad.append("all_reduce")
+    g = pool[16 * rank : 16 * rank + 4 * count * n].view(np.float32)
+    g[rank * count : (rank + 1) * count] = every[rank]
+    dist.all_gather_into_tensor(g, g[rank * count : (rank + 1) * count])
+    if not np.array_equal(g, np.concatenate(every)):
+        bad.append("all_gather_into_tensor")
+    coll = dist.GroupMember.WORLD.algorithms
+    out = {"bad": bad, "remote": coll.remote_calls, "bounced": coll.reader.bounced if coll.reader else -1}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reads_at_the_kernels_slow_distance_bounce_and_agree(world_size):
+    results = run_world(_distance_rank, world_size, "shm", timeout=60, env=_REMOTE_ENV)
+    for r in results:
+        assert not r["bad"], r["bad"]
+        assert r["remote"] == 2, r  # both collectives read the peers' arrays in place
+    assert results[0]["bounced"] == 0  # every read from a higher rank: 16 bytes before
+    assert all(r["bounced"] > 0 for r in results[1:]), results

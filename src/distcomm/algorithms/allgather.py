@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..deadline import Deadline
+from ..memcopy import copy_into
 from ..transport.base import Channel, Request, collective_tag, wait_all
 from ._common import Scratch, check_array, check_counts, offsets, ring_pass, scratch_for
 from .select import allgather_algorithm, check_algorithm
@@ -65,7 +66,7 @@ def bruck_allgather(
     total = raw.size
     tmp = raw if r == 0 else scratch.take(total)
     if r:
-        tmp[: toff[1]] = raw[own : own + toff[1]]
+        copy_into(tmp[: toff[1]], raw[own : own + toff[1]])
     sends: list[Request] = []
     d = 1
     while d < n:
@@ -78,5 +79,5 @@ def bruck_allgather(
         d <<= 1
     wait_all(sends, deadline)
     if r:
-        raw[own:] = tmp[: total - own]
-        raw[:own] = tmp[total - own :]
+        copy_into(raw[own:], tmp[: total - own])
+        copy_into(raw[:own], tmp[total - own :])

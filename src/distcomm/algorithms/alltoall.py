@@ -8,6 +8,7 @@ import numpy as np
 
 from ..deadline import Deadline
 from ..errors import DistInputError
+from ..memcopy import copy_into
 from ..transport.base import Channel, collective_tag, wait_all
 from ._common import as_bytes, check_array, check_counts, offsets, same_memory
 
@@ -73,7 +74,7 @@ def alltoall(
     mine = recv[roff[r] : roff[r + 1]]
     src_block = send[soff[r] : soff[r + 1]]
     if not same_memory(mine, src_block):
-        np.copyto(mine, src_block)
+        copy_into(mine, src_block)
     wait_all(reqs, deadline)
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from ..deadline import Deadline
 from ..errors import DistInputError
+from ..memcopy import copy_into
 from ..transport.base import Channel, collective_tag, wait_all
 from ._common import as_bytes, check_array, check_root, offsets, same_memory
 
@@ -72,7 +71,7 @@ def gather(
     ]
     mine = out[off[root] : off[root + 1]]
     if not same_memory(mine, send):
-        np.copyto(mine, send)
+        copy_into(mine, send)
     wait_all(reqs, deadline)
 
 
@@ -110,5 +109,5 @@ def scatter(
     ]
     mine = src[off[root] : off[root + 1]]
     if not same_memory(mine, out):
-        np.copyto(out, mine)
+        copy_into(out, mine)
     wait_all(reqs, deadline)

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..deadline import Deadline
 from ..errors import DistInputError
+from ..memcopy import copy_into
 from ..transport.base import Channel, Request, wait_all
 from ._common import (
     REDUCE,
@@ -100,7 +101,7 @@ def direct_reduce_scatter(
         )
     mine = inp[off[r] : off[r + 1]]
     if not same_memory(out, mine):
-        np.copyto(out, mine)
+        copy_into(out, mine)
     if n == 1:
         return
     seg = seg_elems(inp.itemsize, max(counts), 2)

@@ -23,6 +23,7 @@ from ..deadline import Deadline, to_seconds
 from ..debug import recorder as _rec
 from ..errors import DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup, describe_rank
+from ..memcopy import copy_into
 from ..reduce_op import FINALIZED, finalize, op_combiner
 from ..transport.base import MAX_P2P_TAG, Channel, Request, p2p_tag
 from ..work import Work
@@ -95,7 +96,7 @@ class ChannelAlgorithms:
             return
         buf = self._staging.take("reduce_scatter", inp.dtype, inp.size)
         if not _same(buf, inp):
-            np.copyto(buf, inp)  # the algorithm works in place
+            copy_into(buf, inp)  # the algorithm works in place
         out[:] = algo.reduce_scatter(self.channel, buf, combine, seq, deadline, scratch=self._scratch)
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
@@ -209,7 +210,7 @@ class ChannelProcessGroup(ProcessGroup):
             if self._rank != root and not self.algorithms.reduce_keeps_input:
                 # the algorithm accumulates in place: keep the caller's input intact
                 arr = self._staging.take("reduce", ref.array.dtype, ref.numel)
-                np.copyto(arr, ref.array)
+                copy_into(arr, ref.array)
             self.algorithms.reduce(arr, combine, root, seq, deadline)
             if self._rank == root:
                 finalize(op, arr, self._size, ref.dtype)
@@ -230,7 +231,7 @@ class ChannelProcessGroup(ProcessGroup):
             buf[self._rank * n : (self._rank + 1) * n] = inp.array
             self.algorithms.allgather(buf, seq, deadline)
             for i, o in enumerate(outs):
-                o.array[:] = buf[i * n : (i + 1) * n]
+                copy_into(o.array, buf[i * n : (i + 1) * n])
 
         return self._submit("all_gather", run, async_op, output_list, (inp.shape, inp.dtype, None, None, None))
 
@@ -269,7 +270,7 @@ class ChannelProcessGroup(ProcessGroup):
         def run(seq: int, deadline: Deadline) -> None:
             mine = out.array[self._rank * n : (self._rank + 1) * n]
             if not _same(mine, inp.array):
-                mine[:] = inp.array
+                copy_into(mine, inp.array)
             self.algorithms.allgather(out.array, seq, deadline)
 
         return self._submit("all_gather_into_tensor", run, async_op, output,
@@ -295,7 +296,7 @@ class ChannelProcessGroup(ProcessGroup):
                 buf = self._staging.take("gather", inp.array.dtype, n * self._size)
             self.algorithms.gather(inp.array, buf, root, seq, deadline)
             for i, o in enumerate(outs):
-                o.array[:] = buf[i * n : (i + 1) * n]
+                copy_into(o.array, buf[i * n : (i + 1) * n])
 
         return self._submit("gather", run, async_op, gather_list, (inp.shape, inp.dtype, root, None, None))
 

@@ -61,12 +61,11 @@ and peers read it where it lies, one kernel copy (``_Sources``).  The decision
 and the phases are those of direct mode, a rank's array being in its heap or
 readable through the kernel.  ``all_reduce`` and ``all_gather_into_tensor``
 use it; ``all_to_all_single`` with even blocks switches to it after round 0,
-from ``alltoall_remote_bytes`` (32 MiB) up.  The kernel read is fast from a
-fresh mapping in huge pages and four to seven times slower from malloc's heap
-in 4 KiB pages, which it pins one by one; glibc maps every block from 32 MiB
-afresh (its largest mmap threshold), and below that an array of a program
-that has freed large ones comes from the heap, where the all_to_all's rounds
-through the slots were 1.2-2x faster (docs/benchmarks.md);
+from ``alltoall_remote_bytes`` (32 MiB) up: below that the rounds through
+the slots were as fast or faster (docs/benchmarks.md; the kernel pins the
+peer's pages one by one, 3-4x slower for 4 KiB pages than for huge pages,
+and reads at the slow distance of :mod:`distcomm.memcopy` go through a
+bounce buffer);
 ``broadcast`` and ``reduce_scatter_tensor`` do not (their copies into the
 slots run on every rank at once, which beats one rank reading through the
 kernel).
@@ -82,6 +81,7 @@ from ..algorithms._common import offsets, split_hashes, split_weights, splits_ag
 from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistDesyncError
+from ..memcopy import copy_into
 from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
 
@@ -138,16 +138,15 @@ class _Sources:
         off = self._offs[j]
         if off >= 0:
             return coll.heaps[j][off + lo * isz : off + hi * isz].view(like.dtype)  # type: ignore[index]
-        buf = coll._scratch[: (hi - lo) * isz].view(like.dtype)
-        coll.reader.read(j, self._addrs[j] + lo * isz, buf)  # type: ignore[union-attr]
-        return buf
+        piece = coll.reader.read_piece(j, self._addrs[j] + lo * isz, (hi - lo) * isz, _PIECE_BYTES)  # type: ignore[union-attr]
+        return piece.view(like.dtype)
 
     def copy(self, j: int, lo: int, hi: int, dest: np.ndarray) -> None:
         """``dest`` (contiguous) = elements ``lo:hi`` of rank j's array."""
         off = self._offs[j]
         if off >= 0:
             isz = self._size
-            dest[:] = self._coll.heaps[j][off + lo * isz : off + hi * isz].view(dest.dtype)  # type: ignore[index]
+            copy_into(dest, self._coll.heaps[j][off + lo * isz : off + hi * isz].view(dest.dtype))  # type: ignore[index]
         else:
             self._coll.reader.read(j, self._addrs[j] + lo * self._size, dest)  # type: ignore[union-attr]
 
@@ -198,7 +197,6 @@ class ShmCollectives:
         #: Smallest ``all_to_all`` send buffer whose blocks peers read that way.
         self.alltoall_remote_bytes = max(alltoall_remote_bytes, self.remote_bytes)
         self.remote_calls = 0
-        self._scratch = np.empty(_PIECE_BYTES, np.uint8)
         if heaps is not None:
             mine = heaps[self.rank]
             self._heap_base = data_address(mine)
@@ -621,7 +619,7 @@ class ShmCollectives:
         m = out.size
         if me == root:
             buf = _flat(buf)
-            out[:] = buf[root * m : (root + 1) * m]
+            copy_into(out, buf[root * m : (root + 1) * m])
         if n == 1 or m == 0:
             return
         views = self._views(out.dtype)
@@ -648,7 +646,7 @@ class ShmCollectives:
         out, inp = _flat(out), _flat(inp)
         n, me = self.size, self.rank
         m = out.size
-        out[:] = inp[me * m : (me + 1) * m]
+        copy_into(out, inp[me * m : (me + 1) * m])
         if n == 1 or m == 0:
             return
         views = self._views(out.dtype)
@@ -706,7 +704,7 @@ class ShmCollectives:
                 self._alltoall_one_slot(send, recv, send_counts, views, deadline)
                 return
         s_off, r_off = offsets(send_counts), offsets(recv_counts)  # (np.cumsum: 10 us here)
-        recv[r_off[me] : r_off[me + 1]] = send[s_off[me] : s_off[me + 1]]  # (sizes checked by the group)
+        copy_into(recv[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]])  # (sizes checked by the group)
         if n == 1:
             return
         views = self._views(send.dtype)
