@@ -14,7 +14,7 @@ read took 235-280 us with the destination 1 to 31 bytes after the source
 :meth:`PeerReader.read` goes through a buffer half a page from both when
 the distance is in that window (it is copied out with ``memcpy``, which has
 the same slow case), and :meth:`PeerReader.read_piece` reads into a buffer
-at the source's page offset.
+at a chosen distance from the source's page offset.
 """
 
 from __future__ import annotations
