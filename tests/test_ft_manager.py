@@ -94,6 +94,31 @@ def test_chaos_bounded():
     assert report["kills"] >= 1, report  # 3 planned; a slow machine restarts slowly
 
 
+def test_chaos_harness_paces_its_kills_and_names_a_late_restart(monkeypatch):
+    """The harness's estimate of the time left, and its diagnosis of a replica that came
+    back after the survivors finished (they do not wait for it below every replica)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    import chaos
+
+    pace = chaos.Pace(window=3.0)
+    assert pace.seconds_left(0, 10) == float("inf")
+    for t, step in [(0.0, 1), (0.2, 1), (0.5, 2), (1.0, 3)]:
+        pace.add(t, step)
+    assert pace.seconds_left(3, 13) == pytest.approx(5.0)  # 2 steps a second, 10 to go
+    for t, step in [(5.0, 4), (6.0, 6)]:  # samples before the last 3 s leave, but one at its start
+        pace.add(t, step)
+    assert pace.samples[0] == (1.0, 3)
+    assert pace.seconds_left(6, 16) == pytest.approx(10 * 5 / 3)  # 3 steps in 5 s
+    records = {("r0", 0): [{"committed": True, "t": 8.0}, {"final": True, "t": 10.0}],
+               ("r1", 0): [{"committed": True, "t": 1.0}]}
+    kills = [{"replica": "r1", "step": 30, "restart_t": 9.0}]
+    assert chaos._late_restart("r1", records, kills) == (
+        "; restarted after step 30, 1.00 s before the others finished, it never committed again")
+    records[("r1", 0)].append({"committed": True, "t": 9.5})  # it did come back
+    assert chaos._late_restart("r1", records, kills) == ""
+    assert chaos._late_restart("r0", records, kills) == ""  # never killed
+
+
 _AUTH_REPLICA = """
 import sys
 import numpy as np
