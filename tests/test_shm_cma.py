@@ -98,3 +98,15 @@ def test_copy_into_falls_back_to_numpy_assignment():
     assert wide[-1] == 19_999
     with pytest.raises(ValueError, match="could not broadcast"):
         memcopy.copy_into(np.zeros(20_000), np.zeros(19_999))
+
+
+def test_the_l2_size_is_read_from_sysfs(tmp_path):
+    (tmp_path / "uevent").write_text("")
+    for index, level, size in (("index0", "1", "32K"), ("index2", "2", "1M"), ("index3", "3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(level + "\n")
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert memcopy._l2_bytes(str(tmp_path)) == 1024 * 1024
+    (tmp_path / "index2" / "size").write_text("garbage\n")
+    assert memcopy._l2_bytes(str(tmp_path), default=12345) == 12345
+    assert memcopy._l2_bytes(str(tmp_path / "missing"), default=54321) == 54321

@@ -30,14 +30,14 @@ SLOW_DISTANCE = 64
 #: Copies shorter than this are plain: the two address lookups (2-9 us in a busy
 #: benchmark rank, more for read-only inputs) cost about what a slow 32 KiB copy loses.
 CHECK_BYTES = 64 * 1024
-#: From this size glibc's ``memcpy`` on AMD leaves ``rep movsb`` for a vector loop
-#: (its ``rep_movsb_stop_threshold``: the L2 cache size), fast at any distance and
-#: faster than NumPy's loop: 1 MiB from a peer's slot in 55-80 us against 105-115.
-def _l2_bytes(default: int = 512 * 1024) -> int:
+
+
+def _l2_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache", default: int = 512 * 1024) -> int:
     """This machine's L2 cache size per core (Linux sysfs), else ``default``."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
     try:
         for index in sorted(os.listdir(root)):
+            if not index.startswith("index"):
+                continue
             with open(f"{root}/{index}/level") as f:
                 if f.read().strip() != "2":
                     continue
@@ -50,6 +50,9 @@ def _l2_bytes(default: int = 512 * 1024) -> int:
     return default
 
 
+#: From this size glibc's ``memcpy`` on AMD leaves ``rep movsb`` for a vector loop
+#: (its ``rep_movsb_stop_threshold``: the L2 cache size), fast at any distance and
+#: faster than NumPy's loop: 1 MiB from a peer's slot in 55-80 us against 105-115.
 PLAIN_FROM_BYTES = _l2_bytes()
 
 
