@@ -98,6 +98,8 @@ def test_copy_into_falls_back_to_numpy_assignment():
     assert wide[-1] == 19_999
     with pytest.raises(ValueError, match="could not broadcast"):
         memcopy.copy_into(np.zeros(20_000), np.zeros(19_999))
+    with pytest.raises(ValueError, match="could not broadcast"):  # same size, other shape: as NumPy
+        memcopy.copy_into(np.zeros((2, 40_000)), np.zeros(80_000))
 
 
 def test_the_l2_size_is_read_from_sysfs(tmp_path):

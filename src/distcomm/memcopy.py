@@ -62,9 +62,9 @@ def slow_distance(dest_address: int, source_address: int) -> bool:
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src`` for contiguous arrays of one dtype and size (others are
-    copied plainly), at full speed whatever their addresses."""
-    if (not CHECK_BYTES <= dst.nbytes < PLAIN_FROM_BYTES or dst.dtype != src.dtype or dst.size != src.size
+    """``dst[...] = src`` (its semantics exactly), at full speed whatever the addresses of
+    contiguous arrays of one dtype and shape."""
+    if (not CHECK_BYTES <= dst.nbytes < PLAIN_FROM_BYTES or dst.dtype != src.dtype or dst.shape != src.shape
             or not (dst.flags.c_contiguous and src.flags.c_contiguous)):
         dst[...] = src
         return
