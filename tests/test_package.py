@@ -58,6 +58,32 @@ def test_info_reports_the_shared_memory_directory_distcomm_uses(tmp_path):
     assert shm["path"] == str(tmp_path) and shm["usable"] and shm["free_bytes"] > 0
 
 
+def test_info_says_whether_ranks_can_read_each_others_memory(tmp_path, monkeypatch):
+    out = _cli("info", "--json", env={"DISTCOMM_SHM_CMA": "0"})
+    assert out.returncode == 0, out.stderr
+    cma = json.loads(out.stdout)["cross_memory_reads"]
+    assert cma["available"] is False and "DISTCOMM_SHM_CMA=0" in cma["why"]
+    out = _cli("info", env={"DISTCOMM_SHM_CMA": "0"})
+    assert "cross-memory reads (large collectives read peers' arrays in place): unavailable" in out.stdout
+    from distcomm import info
+    from distcomm.transport import shm_cma
+
+    if not shm_cma.HAVE_CMA:
+        return
+    monkeypatch.delenv("DISTCOMM_SHM_CMA", raising=False)
+    scope = tmp_path / "ptrace_scope"
+    assert info._cma(str(scope))["available"]  # no Yama
+    scope.write_text("3\n")
+    facts = info._cma(str(scope))
+    assert not facts["available"] and "ptrace_scope is 3" in facts["why"]
+    scope.write_text("1\n")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    facts = info._cma(str(scope))
+    assert not facts["available"] and "ptrace_scope is 1 and this user is not root" in facts["why"]
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert info._cma(str(scope))["available"]
+
+
 def test_unknown_command_is_a_usage_error():
     out = _cli("frobnicate")
     assert out.returncode == 2 and "invalid choice" in out.stderr

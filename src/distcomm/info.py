@@ -59,6 +59,26 @@ def _shm() -> dict[str, Any]:
             "why": None if writable else f"{path} is not writable by this user"}
 
 
+def _cma(scope_path: str = "/proc/sys/kernel/yama/ptrace_scope") -> dict[str, Any]:
+    """Whether shm groups can expect to read peers' arrays in place (cross-memory attach);
+    each group still probes it when it is created."""
+    from .transport.shm_cma import HAVE_CMA, cma_wanted
+
+    scope = _read(scope_path)  # Yama's ptrace restriction; None without Yama
+    facts: dict[str, Any] = {"available": False, "why": None, "ptrace_scope": scope}
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    if not HAVE_CMA:
+        facts["why"] = "no process_vm_readv on this platform"
+    elif not cma_wanted():
+        facts["why"] = "turned off by DISTCOMM_SHM_CMA=0"
+    elif scope == "3" or (scope in ("1", "2") and not root):
+        facts["why"] = (f"Yama's ptrace_scope is {scope}{'' if root else ' and this user is not root'}: "
+                        "ranks may not read each other's memory (sysctl kernel.yama.ptrace_scope=0 allows it)")
+    else:
+        facts["available"] = True
+    return facts
+
+
 def _backends(shm: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each registered backend (and torch's 'distcomm') with whether it can run here."""
     from .backend_registry import Backend
@@ -169,6 +189,7 @@ def collect() -> dict[str, Any]:
         "backends": _backends(shm),
         "network": _network(),
         "dev_shm": shm,
+        "cross_memory_reads": _cma(),
         "dev_shm_free_bytes": shm.get("free_bytes"),
         "open_files_soft_limit": soft,
         "open_files_hard_limit": hard,
@@ -232,6 +253,10 @@ def render(facts: dict[str, Any]) -> str:
                      + ("" if shm["usable"] else f" ({shm['why']})"))
     else:
         lines.append(f"  {shm['why']}")
+    cma = facts["cross_memory_reads"]
+    lines.append("  cross-memory reads (large collectives read peers' arrays in place): "
+                 + ("expected to work" if cma["available"] else
+                    f"unavailable, they copy through shared memory instead: {cma['why']}"))
     soft, hard = facts["open_files_soft_limit"], facts["open_files_hard_limit"]
     lines += ["", "limits:",
               f"  open files: {soft if soft != -1 else 'unlimited'} (soft), "
