@@ -21,7 +21,6 @@ import numpy as np
 from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistInputError, DistTypeError
-from ..memcopy import copy_into
 from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
@@ -315,7 +314,7 @@ def drive(
                 combine(dst, tmp)  # type: ignore[misc]
             else:
                 combine(tmp, dst)  # type: ignore[misc]
-                copy_into(dst, tmp)
+                np.copyto(dst, tmp)
             free.append(slot)  # type: ignore[arg-type]
         for peer, step in forwards:
             sends.append(ch.isend(peer, collective_tag(seq, step), as_bytes(dst)))

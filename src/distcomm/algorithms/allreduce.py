@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..deadline import Deadline
-from ..memcopy import copy_into
 from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
 from ._common import (
     EAGER_WINDOW,
@@ -175,7 +174,7 @@ def _rd_whole(
                 combine(arr, theirs)
             else:
                 combine(theirs, arr)
-                copy_into(arr, theirs)
+                np.copyto(arr, theirs)
     _fold_out(ch, arr, seq, deadline, rem, 1 + levels)
 
 
