@@ -118,24 +118,26 @@ def test_collectives_bench_compare_torch() -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(NO_MPI is not None, reason=f"--compare mpi cannot run here: {NO_MPI}")
 def test_collectives_bench_compare_mpi() -> None:
-    cfg = _tiny(("distcomm", "mpi"), ops=("all_reduce", "reduce", "all_to_all_single", "barrier"),
-                phases=("timing",))
+    cfg = _tiny(("distcomm", "mpi"), ops=("all_reduce", "broadcast", "all_to_all_single", "barrier"),
+                phases=("timing",), sync=True)
     results = run_collectives_benchmark(cfg)
     _check(results, cfg)
     assert results["environment"]["restarts"] == {"distcomm": 0, "mpi": 0}
-    assert "x mpi" in format_results(results)
+    text = format_results(results)
+    assert "x mpi" in text and "before every call (--sync)" in text
 
 
 @pytest.mark.timeout(120)
 def test_collectives_bench_cli(tmp_path, capsys) -> None:
     out = tmp_path / "coll.json"
     code = main(["bench", "collectives", "-n", "2", "--ops", "all_reduce,broadcast", "--sizes", "8B,1KiB",
-                 "--iters", "2", "--repeat", "1", "--phases", "timing", "--json", str(out)])
+                 "--iters", "2", "--repeat", "1", "--phases", "timing", "--sync", "--json", str(out)])
     assert code == 0
     text = capsys.readouterr().out
     assert "all_reduce  (size = the buffer; busbw = algbw x 2(n-1)/n)" in text
     data = json.loads(out.read_text())
     assert data["config"]["sizes"] == [8, 1024] and data["config"]["phases"] == ["timing"]
+    assert data["config"]["sync"] is True and "(--sync)" in text
     assert data["rss"] == {} and data["membw"] is None
     assert {t["met"] for t in data["summary"]["targets"]} == {None}  # needs --compare torch
 

@@ -196,7 +196,9 @@ def format_results(results: dict[str, Any]) -> str:
         + (f"; distcomm source: git {env['git_commit'][:10]}" if env.get("git_commit") else "")
         + (f" + local changes to {', '.join(env['git_changed'])}" if env.get("git_changed") else ""),
         f"  time per call = p50 / p99 over iterations of the slowest rank's time; medians of {reps} "
-        f"repetition{'s' if reps > 1 else ''}; x lib = lib's p50 / distcomm's p50 (above 1: distcomm faster)",
+        f"repetition{'s' if reps > 1 else ''}"
+        + ("; a barrier of the library before every call (--sync)" if cfg.get("sync") else "")
+        + "; x lib = lib's p50 / distcomm's p50 (above 1: distcomm faster)",
     ]
     below = {(m["op"], m["size"], t["vs"]) for t in summary["targets"] for m in t["missed"] if "op" in m}
     for op, rows in summary["ops"].items():

@@ -212,8 +212,10 @@ def teardown(conn: connection.Connection, lib: str) -> None:
 
 
 def measure(conn: connection.Connection, lib: str, op: str, nbytes: int, dtype: str,
-            iters: int, warmup: int) -> None:
-    """Time ``iters`` calls of ``op`` (after ``warmup``), checking every result.
+            iters: int, warmup: int, sync: bool = False) -> None:
+    """Time ``iters`` calls of ``op`` (after ``warmup``), checking every result; with
+    ``sync``, the library's barrier after each check and reset (untimed) starts
+    every call with the ranks together.
 
     Answers ``{"times": [s per call], "wrong": k, "first_wrong": text | None,
     "warmup_wrong": k, "count": elements, "nbytes": bytes}``.
@@ -230,8 +232,8 @@ def measure(conn: connection.Connection, lib: str, op: str, nbytes: int, dtype: 
         reset()
     times = [0.0] * iters
     wrong, first = 0, None
-    clock = time.perf_counter
-    adapter.barrier()
+    clock, barrier = time.perf_counter, adapter.barrier
+    barrier()
     for k in range(iters):
         t0 = clock()
         call()
@@ -242,7 +244,10 @@ def measure(conn: connection.Connection, lib: str, op: str, nbytes: int, dtype: 
             wrong += 1
             first = first or f"iteration {k}: {bad}"
         reset()
-    adapter.barrier()
+        if sync:
+            barrier()
+    if not sync:
+        barrier()
     result = {"times": times, "wrong": wrong, "first_wrong": first, "warmup_wrong": warm_wrong,
               "count": w.count, "nbytes": w.count * w.inp.itemsize}
     del call, w, check, reset

@@ -6,7 +6,10 @@ torch.distributed's gloo and mpi4py under ``mpirun``) runs a fixed number
 of calls on ``-n`` ranks:
 
 * untimed warm-up calls, then a barrier, then ``iters`` timed calls, then a
-  barrier.  Each rank times every call alone (``perf_counter`` around the
+  barrier (with ``--sync``, also a barrier of the library before every timed
+  call: the ranks then start each call together, as in the OSU benchmarks;
+  without it, a rank whose check and reset take longer, such as a broadcast's
+  non-root, starts later and its delay shows in the others' time).  Each rank times every call alone (``perf_counter`` around the
   call); the main process takes, for each iteration, the **maximum over the
   ranks**, and reports the p50 and p99 of those;
 * after every call (outside the timed region) each rank checks its result
@@ -108,6 +111,7 @@ class CollBenchConfig:
     iters: int | None = None  # None: default_iters(size) for each size
     iters_scale: float = 1.0  # multiplies the default schedule
     warmup: int | None = None  # None: default_warmup(iters)
+    sync: bool = False  # the library's barrier between timed calls (after the untimed check)
     repeat: int = 3
     timeout: float = 180.0
     phases: tuple[str, ...] | None = None  # None: default_phases(backend)
@@ -294,7 +298,7 @@ def _measure(ranks: _Ranks, op: str, nbytes: int, cfg: CollBenchConfig) -> dict[
     iters = cfg.iters_for(nbytes)
     warmup = cfg.warmup_for(iters)
     try:
-        parts = ranks.call("measure", op, nbytes, cfg.dtype, iters, warmup,
+        parts = ranks.call("measure", op, nbytes, cfg.dtype, iters, warmup, cfg.sync,
                            timeout=cfg.timeout + _GRACE)
     except HelperError as e:
         itemsize = 8 if cfg.dtype.endswith("64") else 4
@@ -575,6 +579,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls per size: auto (2000 at 8 B to 4 at 64 MiB), N for every size, "
                              "or xF to scale auto (default: auto)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: iters/10, 2-50)")
+    parser.add_argument("--sync", action="store_true",
+                        help="the library's barrier (untimed) before every timed call, as the OSU "
+                             "benchmarks do; by default calls follow each other, so a rank with more "
+                             "checking to do between calls (broadcast's non-roots) delays the others")
     add_positive(parser, "--repeat", kind=int, default=d.repeat, help="interleaved repetitions; medians are reported")
     parser.add_argument("--phases", type=_phases, default=None, metavar="P,P,...",
                         help="any of timing, rss, membw (default: timing,rss; and membw when the "
@@ -618,7 +626,7 @@ def run(args: argparse.Namespace) -> int:
     config = CollBenchConfig(
         world_size=args.nproc, backend=args.backend, libs=tuple(libs), ops=tuple(args.ops),
         sizes=tuple(args.sizes), dtype=args.dtype, iters=iters, iters_scale=scale,
-        warmup=args.warmup, repeat=args.repeat, timeout=args.timeout,
+        warmup=args.warmup, sync=args.sync, repeat=args.repeat, timeout=args.timeout,
         phases=None if phases is None else tuple(phases), rss_calls=args.rss_calls,
         membw_bytes=args.membw_size,
     )
