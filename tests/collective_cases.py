@@ -951,12 +951,21 @@ def run_async(rank: int, world_size: int, backend: str, port: int) -> Report:
             done = threading.Event()
             fut = w.get_future()
             fut.add_done_callback(lambda _f: done.set())
+            try:  # torch.futures.Future's methods too
+                fut.value()
+                if ws > 1:
+                    rep.fail("value() of a future not done returned")
+            except dist.DistInputError:
+                pass
+            chained = fut.then(lambda f: int(f.value().sum()))
             for r in range(1, ws):  # now the others may join
                 dist.send(np.ones(1, np.int8), dst=r, tag=77)
             w.wait()  # the op went on despite the short wait above
             rep.cases += 1
             if not done.wait(5) or fut.result() is not x:
                 rep.fail("get_future() done callback did not run with the result")
+            if fut.wait() is not x or fut.value() is not x or chained.wait() != 3 * ws * (ws + 1) // 2:
+                rep.fail(f"future wait()/value()/then() gave {fut.wait()!r}, {chained.wait()!r}")
         else:
             dist.recv(np.zeros(1, np.int8), src=0, tag=77)
             dist.all_reduce(x)
@@ -1397,6 +1406,11 @@ def _non_member(rep: Report, g: Any, members: list[int], tag: str) -> None:
     _check(rep, all(r is None for r in results), f"{tag}: non-member calls returned {results}")
     _check(rep, dist.recv(t, src=members[0], group=g) == -1, f"{tag}: non-member recv did not return -1")
     _check(rep, (t == 7).all(), f"{tag}: a non-member's tensor changed: {t}")
+    # queries answer for the last group made without this rank (g here), as torch's do
+    answers = (dist.get_process_group_ranks(g), dist.get_group_rank(g, members[-1]),
+               dist.get_global_rank(g, len(members) - 1))
+    _check(rep, answers == (members, len(members) - 1, members[-1]),
+           f"{tag}: non-member queries gave {answers}")
 
 
 def run_groups(rank: int, world_size: int, backend: str, port: int) -> Report:

@@ -79,3 +79,27 @@ def test_node_local_rank_and_elastic_launch(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "two")
     with pytest.raises(DistInputError, match="LOCAL_RANK='two'"):
         dist.get_node_local_rank()
+
+
+def test_torch_spellings_that_older_code_and_libraries_use():
+    from distcomm.testing import free_port
+
+    assert dist.distributed_c10d is dist  # `dist.distributed_c10d.get_rank()`
+    assert dist.reduce_op.SUM is dist.ReduceOp.SUM and dist.reduce_op.MAX is dist.ReduceOp.MAX
+    assert dist.ReduceOp.RedOpType.AVG is dist.ReduceOp.AVG
+    for call in (dist.get_rank, dist.distributed_c10d._get_default_group, lambda: dist.all_reduce(np.ones(1))):
+        with pytest.raises(ValueError, match="init_process_group"):  # as torch: a ValueError
+            call()
+    dist.init_process_group("tcp", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert dist.distributed_c10d._get_default_group() is dist.GroupMember.WORLD
+        assert dist.distributed_c10d.get_world_size() == 1
+        work = dist.all_reduce(np.ones(2), async_op=True)
+        fut = work.get_future()
+        assert (fut.wait() == 1).all() and fut.value() is fut.wait()
+        assert fut.then(lambda f: f.value().sum() * 2).wait() == 4
+        failing = fut.then(lambda f: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.wait()
+    finally:
+        dist.destroy_process_group()

@@ -14,12 +14,14 @@ up (:mod:`distcomm.backend_registry`).
 
 import importlib as _importlib
 import importlib.util as _importlib_util
+import sys as _sys
 import typing as _typing
 
 if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is imported on first use
     from . import functional
     from .api import (
         GroupMember,
+        _get_default_group,  # noqa: F401 - torch's private name
         default_pg_timeout,
         destroy_process_group,
         get_backend,
@@ -83,6 +85,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is im
         DistError,
         DistInputError,
         DistNetworkError,
+        DistNotInitializedError,
         DistStoreError,
         DistTimeoutError,
         DistTypeError,
@@ -113,7 +116,7 @@ __version__ = "0.1.0"
 _WHERE: dict[str, str] = {
     name: module
     for module, names in (
-        (".api", "GroupMember default_pg_timeout destroy_process_group get_backend get_global_rank "
+        (".api", "GroupMember _get_default_group default_pg_timeout destroy_process_group get_backend get_global_rank "
          "get_group_rank get_process_group_ranks get_rank get_world_size init_process_group "
          "is_available is_initialized new_group new_subgroups new_subgroups_by_enumeration "
          "split_group get_node_local_rank is_backend_available is_gloo_available "
@@ -129,7 +132,7 @@ _WHERE: dict[str, str] = {
         (".debug.levels", "DebugLevel get_debug_level set_debug_level set_debug_level_from_env"),
         (".device_mesh", "DeviceMesh init_device_mesh"),
         (".errors", "DistBackendError DistDesyncError DistError DistInputError DistNetworkError "
-         "DistStoreError DistTimeoutError DistTypeError QueueEmptyError"),
+         "DistNotInitializedError DistStoreError DistTimeoutError DistTypeError QueueEmptyError"),
         (".group", "ProcessGroup"),
         (".launch.spawn", "spawn"),
         (".object_collectives", "all_gather_object broadcast_object_list gather_object recv_object_list "
@@ -151,6 +154,8 @@ def __getattr__(name: str) -> _typing.Any:
     module = _WHERE.get(name)
     if module is not None:
         value = getattr(_importlib.import_module(module, __name__), name)
+    elif name == "distributed_c10d":  # torch's module of these names: `dist.distributed_c10d.get_rank()`
+        value = _sys.modules[__name__]
     elif name in _SUBMODULES or (not name.startswith("__") and _is_submodule(name)):
         value = _importlib.import_module(f".{name}", __name__)  # `distcomm.api` without importing it
     else:
@@ -189,6 +194,7 @@ __all__ = [
     "DistError",
     "DistInputError",
     "DistNetworkError",
+    "DistNotInitializedError",
     "DistStoreError",
     "DistTimeoutError",
     "DistTypeError",

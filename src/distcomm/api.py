@@ -22,7 +22,7 @@ from typing import Any
 from .backend_registry import Backend, resolve_backend
 from .deadline import Timeout, to_seconds
 from .debug import hooks as _debug
-from .errors import DistBackendError, DistInputError, DistTypeError
+from .errors import DistBackendError, DistInputError, DistNotInitializedError, DistTypeError
 from .group import ProcessGroup
 from .store import PrefixStore, Store, auth
 from .store.rendezvous import rendezvous
@@ -98,6 +98,9 @@ class _World:
         self.resources: list[Any] = []  # closed on destroy, last first
         self.group_count = 0
         self.local_counts: dict[tuple[int, ...], int] = {}
+        #: Members of the last group ``new_group`` made without this rank: what queries on
+        #: ``NON_GROUP_MEMBER`` answer, as torch.distributed's do.
+        self.nonmember_ranks: list[int] | None = None
         self.lock = threading.Lock()
 
 
@@ -176,10 +179,17 @@ def is_initialized() -> bool:
 
 def _require_world() -> _World:
     if _world is None:
-        raise DistBackendError(
+        raise DistNotInitializedError(
             "the default process group is not initialised; call distcomm.init_process_group() first"
         )
     return _world
+
+
+def _get_default_group() -> ProcessGroup:
+    """The default group (torch.distributed's private name for it, which libraries use)."""
+    world = _require_world()
+    assert world.default is not None
+    return world.default
 
 
 def init_process_group(
@@ -338,8 +348,24 @@ def _group(group: ProcessGroup | None) -> ProcessGroup:
         assert world.default is not None
         return world.default
     if not isinstance(group, ProcessGroup):
+        if isinstance(group, _NonMember):
+            raise DistInputError(
+                "this rank is not a member of the group (new_group returned "
+                "GroupMember.NON_GROUP_MEMBER here); pass a group this rank belongs to"
+            )
         raise DistTypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
     return group
+
+
+def _members(group: ProcessGroup | _NonMember | None) -> tuple[list[int], str]:
+    """The global ranks of ``group`` and how to name it.  For ``NON_GROUP_MEMBER``: the
+    last group ``new_group`` made without this rank (torch.distributed answers so)."""
+    if isinstance(group, _NonMember):
+        world = _require_world()
+        if world.nonmember_ranks is not None:
+            return world.nonmember_ranks, "the last group made without this rank"
+    pg = _group(group)  # type: ignore[arg-type]
+    return pg.ranks, f"group {pg.group_name!r}"
 
 
 def _is_member(group: ProcessGroup | None) -> bool:
@@ -401,28 +427,27 @@ def get_pg_count() -> int:
         return len(world.groups)
 
 
-def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+def get_process_group_ranks(group: ProcessGroup | _NonMember | None) -> list[int]:
     """The global ranks of ``group``'s members, in group-rank order."""
-    return list(_group(group).ranks)
+    return list(_members(group)[0])
 
 
-def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+def get_global_rank(group: ProcessGroup | _NonMember | None, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group``."""
-    pg = _group(group)
-    if not isinstance(group_rank, int) or not 0 <= group_rank < pg.size():
-        raise DistInputError(f"group rank {group_rank!r} is not in [0, {pg.size()})")
-    return pg.ranks[group_rank]
+    ranks, _ = _members(group)
+    if not isinstance(group_rank, int) or not 0 <= group_rank < len(ranks):
+        raise DistInputError(f"group rank {group_rank!r} is not in [0, {len(ranks)})")
+    return ranks[group_rank]
 
 
-def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
+def get_group_rank(group: ProcessGroup | _NonMember | None, global_rank: int) -> int:
     """The rank in ``group`` of global rank ``global_rank``."""
-    pg = _group(group)
+    ranks, name = _members(group)
     try:
-        return pg.ranks.index(global_rank)
+        return ranks.index(global_rank)
     except ValueError:
         raise DistInputError(
-            f"global rank {global_rank!r} is not a member of group {pg.group_name!r} "
-            f"(members: {pg.ranks})"
+            f"global rank {global_rank!r} is not a member of {name} (members: {ranks})"
         ) from None
 
 
@@ -464,6 +489,7 @@ def new_group(
         if group_desc:
             name = f"{name}:{group_desc}"
     if world.rank not in members:
+        world.nonmember_ranks = members
         return GroupMember.NON_GROUP_MEMBER
     store = PrefixStore(f"group/{name}", world.store)
     started = time.monotonic()

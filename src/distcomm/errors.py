@@ -13,6 +13,7 @@ working for code that does not know distcomm::
     │   ├── DistConnectTimeoutError          (+ DistTimeoutError) no connection before the deadline
     │   └── DistProtocolError                the peer spoke garbage or another protocol version
     ├── DistBackendError                     a process group / collective failed
+    │   ├── DistNotInitializedError          (+ ValueError) no default group: init_process_group first
     │   └── DistDesyncError                  ranks called a collective with different arguments (DETAIL)
     ├── DistTimeoutError (TimeoutError)      any deadline passed
     ├── DistInputError (ValueError)          bad argument value from the caller
@@ -38,6 +39,7 @@ __all__ = [
     "DistProtocolError",
     "DistBackendError",
     "DistDesyncError",
+    "DistNotInitializedError",
     "DistTimeoutError",
     "DistInputError",
     "DistRendezvousError",
@@ -118,6 +120,11 @@ class DistProtocolError(DistNetworkError):
 
 class DistBackendError(DistError):
     """A process group or one of its collectives failed."""
+
+
+class DistNotInitializedError(DistBackendError, ValueError):
+    """There is no default process group (``init_process_group`` was not called, or the
+    group was destroyed).  Also a ``ValueError``, as torch.distributed raises there."""
 
 
 class DistDesyncError(DistBackendError):

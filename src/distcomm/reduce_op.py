@@ -75,6 +75,7 @@ class ReduceOp:
     BOR: ClassVar[ReduceOp]
     BXOR: ClassVar[ReduceOp]
     PREMUL_SUM: ClassVar[ReduceOp]
+    RedOpType: ClassVar[type[ReduceOp]]
 
     def __new__(cls, op: Any) -> ReduceOp:
         return as_reduce_op(op)
@@ -120,6 +121,12 @@ class ReduceOp:
 
 for _name in _NAMES:
     setattr(ReduceOp, _name, ReduceOp._make(_name))
+#: torch's ``ReduceOp.RedOpType`` (the enum of the members): here the class itself.
+ReduceOp.RedOpType = ReduceOp
+
+#: ``distcomm.reduce_op.SUM`` and the rest: torch.distributed's deprecated ``reduce_op``
+#: spelling (``dist.reduce_op.SUM``), which older code and tutorials use.
+SUM, PRODUCT, MIN, MAX = ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX
 
 #: Every member, in torch's value order.
 REDUCE_OPS: tuple[ReduceOp, ...] = tuple(getattr(ReduceOp, n) for n in _NAMES)

@@ -3,7 +3,9 @@
 ``wait(timeout=None)`` blocks until the operation finished and raises its
 error; with a timeout it raises :class:`~distcomm.errors.DistTimeoutError`
 naming the operation and the ranks it involved.  ``get_future()`` gives a
-:class:`concurrent.futures.Future` resolved with the operation's result.
+:class:`concurrent.futures.Future` resolved with the operation's result
+(a :class:`DistFuture`: it also has ``torch.futures.Future``'s ``wait()``,
+``value()`` and ``then()``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,37 @@ from .deadline import Timeout, to_seconds
 from .errors import DistInputError, DistTimeoutError
 from .transport.matching import _Flag
 
-__all__ = ["Work"]
+__all__ = ["DistFuture", "Work"]
+
+
+class DistFuture(Future):
+    """A :class:`concurrent.futures.Future` that also answers torch.futures.Future's
+    ``wait()``, ``value()`` and ``then()``, so code written for torch's futures runs."""
+
+    def wait(self) -> Any:
+        """Block until done; return the value or raise the error (torch's ``wait``)."""
+        return self.result()
+
+    def value(self) -> Any:
+        """The value of a future that is done (raise its error); an error if it is not done."""
+        if not self.done():
+            raise DistInputError("value() of a future that is not done yet; call wait() first")
+        return self.result()
+
+    def then(self, callback: Callable[[DistFuture], Any]) -> DistFuture:
+        """A future resolved with ``callback(self)`` once this one is done (with the error the
+        callback raises, if it raises)."""
+        out = DistFuture()
+        out.set_running_or_notify_cancel()
+
+        def run(done: Future) -> None:
+            try:
+                out.set_result(callback(done))  # type: ignore[arg-type]
+            except BaseException as e:  # noqa: BLE001 - handed to the chained future
+                out.set_exception(e)
+
+        self.add_done_callback(run)
+        return out
 
 
 class Work:
@@ -32,7 +64,7 @@ class Work:
         self._error: BaseException | None = None
         self._result: Any = None
         self._source: int | None = None
-        self._future: Future | None = None
+        self._future: DistFuture | None = None
         self._lock = threading.Lock()
 
     # -- completion (called by the group) --------------------------------------
@@ -97,11 +129,16 @@ class Work:
             raise DistInputError(f"{self.op} is not a receive; it has no source rank")
         return self._source
 
-    def get_future(self) -> Future:
-        """A ``concurrent.futures.Future`` resolved with the result (or the error)."""
+    def _source_rank(self) -> int:
+        """:meth:`source_rank` under the name torch's Work also has."""
+        return self.source_rank()
+
+    def get_future(self) -> DistFuture:
+        """A ``concurrent.futures.Future`` (a :class:`DistFuture`) resolved with the result (or
+        the error)."""
         with self._lock:
             if self._future is None:
-                self._future = Future()
+                self._future = DistFuture()
                 self._future.set_running_or_notify_cancel()
                 if self._done.is_set():
                     _resolve(self._future, self._result, self._error)

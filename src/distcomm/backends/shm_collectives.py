@@ -22,7 +22,16 @@ rank (``_next``): all ranks run the same phases, so they agree.
 
 A size mismatch between ranks cannot write outside the caller's arrays and
 the segment: each rank reads at most what its own arguments say, within the
-peer's slot.
+peer's slot.  It is also caught, and so are ranks that call different
+collectives at the same point: in the first phase of every collective a
+writer publishes in its slot header the phase number and the collective
+(word 7) and its byte count (word 6; not for ``all_to_all``, which checks
+its split sizes instead), and a rank that reads another call there than its
+own raises :class:`~distcomm.errors.DistBackendError` naming the peer before
+it uses any of its data (the group is then broken, as over TCP, and the
+peers' waits fail at once).  A slot its owner did not write in that phase
+still holds an older phase number, so a rank that moves no data where its
+peers expect some is caught too.
 
 **Direct mode.**  When the group has heaps (:mod:`distcomm.transport.shm_heap`:
 every rank maps every member's heap), arrays allocated there
@@ -80,7 +89,7 @@ import numpy as np
 from ..algorithms._common import offsets, split_hashes, split_weights, splits_agree
 from ..arrays import data_address
 from ..deadline import Deadline
-from ..errors import DistDesyncError
+from ..errors import DistBackendError, DistDesyncError
 from ..memcopy import copy_into
 from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
@@ -91,8 +100,16 @@ Combine = Callable[[np.ndarray, np.ndarray], None]
 #: Bytes at the start of each slot kept for a small header: 64-bit words,
 #: 0 all_to_all's "more to come", 1 and 2 a heap array's offset and size,
 #: 3 the array's address in its process when peers may read it there (else 0),
-#: 4 and 5 all_to_all's split-size hashes (:func:`~distcomm.algorithms._common.split_hashes`).
+#: 4 and 5 all_to_all's split-size hashes (:func:`~distcomm.algorithms._common.split_hashes`),
+#: 6 the byte count the writer's arguments give for the collective's first phase,
+#: 7 that phase's number and the collective's code (``phase << 4 | code``, :data:`_CODES`).
 HEADER = 64
+_SIZE_WORD, _CALL_WORD = 6, 7
+#: The collectives' codes in header word 7.
+_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "gather": 5, "scatter": 6,
+          "reduce_scatter": 7, "all_to_all": 8}
+_NAMES = {code: name for name, code in _CODES.items()}
+_ALLREDUCE, _ALLTOALL = _CODES["all_reduce"], _CODES["all_to_all"]
 #: Bytes of one piece when a direct reduction goes piece by piece (the accumulator
 #: stays in cache while every peer's piece is added; a peer's private piece is read
 #: into a scratch buffer this large).  1 MiB against 256 KiB, 2 ranks, arrays refreshed
@@ -258,6 +275,39 @@ class ShmCollectives:
         """The other ranks, from the next one round (computed once)."""
         return self._peers_from_next
 
+    # -- agreement on the call --------------------------------------------------------------------
+    def _say(self, b: int, q: int, code: int, nbytes: int | None) -> None:
+        """Publish in my slot ``b``'s header, written in phase ``q`` (a collective's first),
+        which collective this is and the byte count my arguments give (None: sizes may differ)."""
+        words = self._words[self.rank][b]
+        if nbytes is not None:
+            words[_SIZE_WORD] = nbytes
+        words[_CALL_WORD] = q << 4 | code
+
+    def _check(self, j: int, b: int, q: int, code: int, nbytes: int | None, what: str = "") -> None:
+        """Raise if rank j's slot ``b`` was not written in phase ``q`` of the same collective with
+        the same byte count (call once j posted ``q``): the ranks' calls differ, and what j
+        wrote is not what this rank's call expects.  The group is then broken."""
+        words = self._words[j][b]
+        call, theirs = words[_CALL_WORD], words[_SIZE_WORD]
+        if call == q << 4 | code and (nbytes is None or theirs == nbytes):
+            return
+        who, mine = self.ctl.describe(j), _NAMES[code]
+        if call >> 4 != q:
+            why = (f"{who} is not in this {mine} (it called another collective here, or this one "
+                   "with another root, or left one out before): the ranks' calls differ")
+        elif call & 15 != code:
+            why = f"{who} called {_NAMES.get(call & 15, '?')} where this rank called {mine}"
+        else:
+            why = (f"{who} passed {theirs} bytes where this rank passed {nbytes} ({what}): the "
+                   "ranks passed arrays of different sizes")
+        raise DistBackendError(why, peer=self.ctl.global_rank(j))
+
+    def _check_all(self, used: list[int], q: int, code: int, nbytes: int | None, what: str = "") -> None:
+        """``_check`` every peer's slot of phase ``q`` (once every rank posted it)."""
+        for j in self._others():
+            self._check(j, used[j], q, code, nbytes, what)
+
     # -- direct mode (arrays read where they lie) ---------------------------------------------
     def _heap_offset(self, arr: np.ndarray) -> int:
         """Offset of ``arr`` in this rank's heap, -1 if it is not (all) there."""
@@ -276,7 +326,7 @@ class ShmCollectives:
     def _may_direct(self) -> bool:
         return self.heaps is not None or self.reader is not None
 
-    def _open(self, arr: np.ndarray, fill: Callable[[int], None], deadline: Deadline,
+    def _open(self, arr: np.ndarray, code: int, fill: Callable[[int], None], deadline: Deadline,
               remote: bool = True) -> tuple[str, int, list[int], _Sources | None]:
         """The first phase of a collective every rank may run direct on ``arr``.
 
@@ -296,10 +346,13 @@ class ShmCollectives:
         head[1] = off
         head[2] = arr.nbytes
         head[3] = addr
+        head[_SIZE_WORD] = arr.nbytes
+        head[_CALL_WORD] = q << 4 | code
         if off < 0 and not addr:
             fill(used[me])
         self.ctl.post(q)
         self.ctl.wait_all(q, deadline)
+        self._check_all(used, q, code, arr.nbytes, "the whole array")
         heads = [self._headers[j][used[j]] for j in range(self.size)]
         offs = [int(h[1]) for h in heads]
         addrs = [int(h[3]) for h in heads]
@@ -357,9 +410,19 @@ class ShmCollectives:
         used = self._all_write(deadline)
         me = self.rank
         small[me][used[me]][...] = arr
+        nbytes, call = arr.nbytes, q << 4 | _ALLREDUCE
+        words = self._words
+        mine = words[me][used[me]]
+        mine[_SIZE_WORD] = nbytes
+        mine[_CALL_WORD] = call
         ctl = self.ctl
         ctl.post(q)
         ctl.wait_all(q, deadline)
+        for j in self._peers_from_next:
+            theirs = words[j][used[j]]
+            if theirs[_CALL_WORD] != call or theirs[_SIZE_WORD] != nbytes:
+                self._read_until(used[me], q)
+                self._check(j, used[j], q, _ALLREDUCE, nbytes, "the whole array")
         into = getattr(combine, "into", None)
         if into is not None:
             into(small[0][used[0]], small[1][used[1]], arr)
@@ -392,7 +455,7 @@ class ShmCollectives:
             def fill(b: int) -> None:
                 self._fill_others(views[me][b], arr[:m0])
 
-            mode, q, used, src = self._open(arr, fill, deadline)
+            mode, q, used, src = self._open(arr, _ALLREDUCE, fill, deadline)
             if src is not None:
                 self._allreduce_direct(arr, src, combine, deadline)
                 return
@@ -404,7 +467,12 @@ class ShmCollectives:
             q = self._begin()
             used = self._all_write(deadline)
             self._fill_others(views[me][used[me]], chunk)
+            if lo == 0:
+                self._say(used[me], q, _ALLREDUCE, arr.nbytes)
             self.ctl.post(q)
+            if lo == 0:
+                self.ctl.wait_all(q, deadline)
+                self._check_all(used, q, _ALLREDUCE, arr.nbytes, "the whole array")
             self._allreduce_round(chunk, q, used, views, combine, deadline)
 
     def _fill_others(self, slot: np.ndarray, chunk: np.ndarray) -> None:
@@ -485,10 +553,12 @@ class ShmCollectives:
             b = self._one_writes(root, deadline)
             slot = self.slots[root][b][HEADER : HEADER + part.size]
             if me == root:
-                if lo == 0 and heads:
-                    head = self._headers[me][b]
-                    head[1] = off
-                    head[2] = data.size
+                if lo == 0:
+                    self._say(b, q, _CODES["broadcast"], data.size)
+                    if heads:
+                        head = self._headers[me][b]
+                        head[1] = off
+                        head[2] = data.size
                 if off < 0:
                     slot[:] = part
                 self.ctl.post(q)
@@ -500,6 +570,8 @@ class ShmCollectives:
             else:
                 self.ctl.post(q)
                 self.ctl.wait(root, q, deadline)
+                if lo == 0:
+                    self._check(root, b, q, _CODES["broadcast"], data.size, "the root's array")
                 if lo == 0 and heads and self._copy_announced(data, root, self._headers[root][b]):
                     q2 = self._begin()
                     self.ctl.post(q2)
@@ -532,6 +604,8 @@ class ShmCollectives:
             used = self._others_write(root, deadline)
             if me != root:
                 views[me][used[me]][:m] = chunk
+                if lo == 0:
+                    self._say(used[me], q, _CODES["reduce"], arr.nbytes)
                 self.ctl.post(q)
                 self._read_until(used[me], q)
                 continue
@@ -539,6 +613,8 @@ class ShmCollectives:
             for j in range(self.size):
                 if j != root:
                     self.ctl.wait(j, q, deadline)
+                    if lo == 0:
+                        self._check(j, used[j], q, _CODES["reduce"], arr.nbytes, "the whole array")
                     combine(chunk, views[j][used[j]][:m])
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
@@ -558,7 +634,7 @@ class ShmCollectives:
             def fill(b: int) -> None:
                 views[me][b][:k] = own[:k]
 
-            mode, q, used, src = self._open(out, fill, deadline)
+            mode, q, used, src = self._open(out, _CODES["all_gather"], fill, deadline)
             if src is not None:
                 for j in self._others():
                     src.copy(j, j * m, (j + 1) * m, out[j * m : (j + 1) * m])
@@ -601,6 +677,7 @@ class ShmCollectives:
             own = out[me * m : (me + 1) * m]
         per = len(views[0][0])
         others = self._others()
+        code = _CODES["all_gather" if root is None else "gather"]
         for lo in range(start, m, per):
             k = min(per, m - lo)
             q = self._begin()
@@ -608,6 +685,8 @@ class ShmCollectives:
             used = self._all_write(deadline) if root is None else self._others_write(root, deadline)
             if writes:
                 views[me][used[me]][:k] = own[lo : lo + k]
+                if lo == start:
+                    self._say(used[me], q, code, m * own.itemsize)
             self.ctl.post(q)
             if writes:
                 self._read_until(used[me], q)
@@ -615,6 +694,8 @@ class ShmCollectives:
                 continue
             for j in others:
                 self.ctl.wait(j, q, deadline)
+                if lo == start:
+                    self._check(j, used[j], q, code, m * own.itemsize, "one rank's block")
                 out[j * m + lo : j * m + lo + k] = views[j][used[j]][:k]
 
     def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
@@ -638,11 +719,15 @@ class ShmCollectives:
                 for d in range(n):
                     if d != root:
                         slot[d * per : d * per + k] = buf[d * m + lo : d * m + lo + k]
+                if lo == 0:
+                    self._say(b, q, _CODES["scatter"], out.nbytes)
                 self.ctl.post(q)
                 self._read_until(b, q)
             else:
                 self.ctl.post(q)
                 self.ctl.wait(root, q, deadline)
+                if lo == 0:
+                    self._check(root, b, q, _CODES["scatter"], out.nbytes, "one rank's block")
                 out[lo : lo + k] = slot[me * per : me * per + k]
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Combine, seq: int,
@@ -669,7 +754,7 @@ class ShmCollectives:
 
             # peers' private inputs are not read in place: the copies into the slots,
             # spread over every rank, beat one rank reading through the kernel
-            mode, q, used, src = self._open(inp, fill, deadline, remote=False)
+            mode, q, used, src = self._open(inp, _CODES["reduce_scatter"], fill, deadline, remote=False)
             if src is not None:
                 self._reduce_from(out, me * m, peers, src, combine)
                 self._finish_direct(deadline)
@@ -687,10 +772,14 @@ class ShmCollectives:
             slot = views[me][used[me]]
             for d in others:
                 slot[d * per : d * per + k] = inp[d * m + lo : d * m + lo + k]
+            if lo == 0:
+                self._say(used[me], q, _CODES["reduce_scatter"], inp.nbytes)
             self.ctl.post(q)
             acc = out[lo : lo + k]
             for j in peers:
                 self.ctl.wait(j, q, deadline)
+                if lo == 0:
+                    self._check(j, used[j], q, _CODES["reduce_scatter"], inp.nbytes, "the whole input")
                 combine(acc, views[j][used[j]][me * per : me * per + k])
             self._read_until(used[me], q)
 
@@ -733,6 +822,7 @@ class ShmCollectives:
             if lo == 0:
                 words = self._words[me][used[me]]
                 words[4], words[5] = split_hashes(self._split_weights, send_counts, recv_counts)
+                self._say(used[me], q, _ALLTOALL, None)
                 if self.reader is not None:
                     head[2] = even
                     head[3] = data_address(send) if even else 0
@@ -740,6 +830,8 @@ class ShmCollectives:
             more = left > 0
             for j in others:
                 self.ctl.wait(j, q, deadline)
+                if lo == 0:
+                    self._check(j, used[j], q, _ALLTOALL, None)
                 k = max(0, min(per, recv_counts[j] - lo))
                 if k:
                     recv[r_off[j] + lo : r_off[j] + lo + k] = views[j][used[j]][me * per : me * per + k]
@@ -772,9 +864,11 @@ class ShmCollectives:
         words = self._words[me][used[me]]
         words[0] = words[2] = 0
         words[4], words[5] = split_hashes(self._split_weights, counts, counts)
+        words[_CALL_WORD] = q << 4 | _ALLTOALL
         self.ctl.post(q)
         self.ctl.wait_all(q, deadline)
         self._read_until(used[me], q)
+        self._check_all(used, q, _ALLTOALL, None)
         self._check_splits(used)
         lo, hi = me * c, me * c + c
         for j in range(self.size):

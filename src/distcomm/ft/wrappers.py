@@ -25,7 +25,7 @@ from ..deadline import Timeout
 from ..errors import DistBackendError, DistInputError, DistTypeError
 from ..group import ProcessGroup
 from ..reduce_op import ReduceOp
-from ..work import Work, completed
+from ..work import DistFuture, Work, completed
 from .reconfigurable import COLLECTIVES
 
 __all__ = [
@@ -182,8 +182,8 @@ class _SwallowingWork(Work):
         self.wait()
         return self._value
 
-    def get_future(self) -> Future:
-        fut: Future = Future()
+    def get_future(self) -> DistFuture:
+        fut = DistFuture()
         fut.set_running_or_notify_cancel()
 
         def done(_: Future) -> None:

@@ -878,7 +878,7 @@ class ShmChannel(Channel):
             state = q[self._rank_i[p] + _R_STATE]  # type: ignore[index]
             if state == _CLOSED:
                 self._depart(p, DistBackendError(
-                    f"{self._describe(p)} destroyed its process group", rank=self.rank, peer=self._global[p],
+                    f"{self._describe(p)} destroyed its process group (or its program ended)", rank=self.rank, peer=self._global[p],
                 ), crashed=False)
             elif q[self._in_tail_i[p] + 1]:  # type: ignore[index]
                 self._depart(p, DistBackendError(

@@ -168,6 +168,14 @@ class Control:
         #: Seconds of spinning, then of yielding, before a wait sleeps.
         self.spin_s, self.yield_s = wait_budget(local_ranks or size)
 
+    def describe(self, r: int) -> str:
+        """How errors name group rank ``r``."""
+        return self._describe(r)
+
+    def global_rank(self, r: int) -> int:
+        """The rank errors carry as ``peer`` for group rank ``r``."""
+        return self._global[r]
+
     # -- setup ------------------------------------------------------------------------------
     def watch(self, pids: dict[int, int]) -> None:
         """Watch the processes of the peers (group rank -> pid)."""
@@ -290,7 +298,8 @@ class Control:
             )
         if self._left[peer]:
             raise DistBackendError(
-                f"{self._describe(peer)} destroyed its process group while this rank waited for it",
+                f"{self._describe(peer)} destroyed its process group (or its program ended) while this rank "
+                "waited for it",
                 peer=self._global[peer],
             )
         if self._watch is not None and self._watch.dead(peer):

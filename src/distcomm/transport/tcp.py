@@ -444,7 +444,7 @@ class TcpTransport:
             self._flush(p)
 
     def _on_leave(self, p: _Peer, group: int) -> None:
-        err = DistBackendError(f"rank {p.rank} destroyed its process group", peer=p.rank)
+        err = DistBackendError(f"rank {p.rank} destroyed its process group (or its program ended)", peer=p.rank)
         with self._mu:
             if group not in self._open_groups:
                 return  # not a group of this process (or no longer): nothing waits on it
@@ -1048,7 +1048,7 @@ class TcpTransport:
                 with self._mu:
                     p.left = True
                     self._lost(p, DistBackendError(
-                        f"rank {p.rank} destroyed its process group", peer=p.rank
+                        f"rank {p.rank} destroyed its process group (or its program ended)", peer=p.rank
                     ), quiet=True)
                 return False
             elif kind == w.LEAVE:
