@@ -1519,7 +1519,6 @@ def bad_calls(rank: int, ws: int, g_self: Any) -> list[tuple[str, Callable[[], A
         ("non-contiguous", lambda: dist.all_reduce(np.arange(10.0)[::2]), DistInputError, "contiguous"),
         ("non-contiguous 2-D", lambda: dist.broadcast(np.zeros((3, 4)).T, src=0), DistInputError, "contiguous"),
         ("read-only array", lambda: dist.all_reduce(ro), DistInputError, "read-only"),
-        ("read-only bytes", lambda: dist.broadcast(b"abcd", src=0), DistInputError, "read-only"),
         ("read-only output list", lambda: dist.all_gather([ro] * ws, f32), DistInputError, "read-only"),
         ("all_gather dtype mismatch", lambda: dist.all_gather([np.zeros(4, np.float64) for _ in range(ws)], f32),
          DistInputError, "dtype"),
@@ -1614,6 +1613,8 @@ def bad_calls(rank: int, ws: int, g_self: Any) -> list[tuple[str, Callable[[], A
     ]
     if ws > 1:
         calls += [
+            ("read-only bytes into a broadcast", lambda: dist.broadcast(b"abcd", src=other), DistInputError,
+             "read-only"),
             ("gather list on a non-dst rank", lambda: dist.gather(f32, [f32] * ws, dst=other),
              DistInputError, "None"),
             ("scatter list on a non-src rank", lambda: dist.scatter(f32, [f32] * ws, src=other),
@@ -1671,6 +1672,12 @@ def run_bad_inputs(rank: int, world_size: int, backend: str, port: int) -> Repor
                 dist.recv(buf, src=0)
                 rep.exact("read-only data sent", buf, np.arange(4, dtype=np.int64))
         dist.reduce(ro if rank != 0 else ro.copy(), dst=0)
+        for root in sorted({0, ws - 1}):  # a broadcast only reads its source
+            frozen = np.arange(5000, dtype=np.float32)
+            frozen.flags.writeable = False
+            dest = frozen if rank == root else np.zeros(5000, np.float32)
+            dist.broadcast(dest, src=root)
+            rep.exact(f"broadcast from read-only data on rank {root}", dest, np.arange(5000, dtype=np.float32))
         rep.extra["calls"] = len(calls)
     return rep
 

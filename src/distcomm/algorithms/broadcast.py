@@ -31,8 +31,10 @@ def broadcast(
     Binomial tree for small messages, pipelined chain for large ones
     (:func:`~distcomm.algorithms.select.broadcast_algorithm`).
     """
-    check_array(arr)
+    check_array(arr, writable=False)
     root = check_root(root, ch.size)
+    if ch.rank != root:
+        check_array(arr)  # received into (the root's is only read)
     if ch.size == 1 or arr.nbytes == 0:
         return
     name = check_algorithm("broadcast", algo or broadcast_algorithm(arr.nbytes, ch.size))

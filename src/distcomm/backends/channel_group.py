@@ -161,7 +161,7 @@ class ChannelProcessGroup(ProcessGroup):
     # -- collectives ----------------------------------------------------------------------
     def broadcast(self, tensor: Any, root: int, async_op: bool = False) -> Work:
         self._check_root(root, "src")
-        ref = self._ref(tensor, "tensor")
+        ref = self._ref(tensor, "tensor", writable=self._rank != root)  # the root's is only read
 
         def run(seq: int, deadline: Deadline) -> None:
             self.algorithms.broadcast(ref.array, root, seq, deadline)
