@@ -41,7 +41,7 @@ def _mesh_rank(rank: int, world_size: int, backend: str, port: int, shape: tuple
     row, col = divmod(rank, shape[1])
     if mesh.mesh.tolist() != layout.tolist() or mesh.shape != shape or mesh.ndim != 2:
         bad.append(f"mesh {mesh.mesh.tolist()} shape {mesh.shape}")
-    if mesh.get_coordinate() != [row, col] or mesh.get_rank() != rank:
+    if mesh.get_coordinate() != (row, col) or mesh.get_rank() != rank:
         bad.append(f"coordinate {mesh.get_coordinate()} for rank {rank}")
     if (mesh.size(), mesh.size("dp"), mesh.size(1), mesh.size(-2)) != (world_size, shape[0], shape[1], shape[0]):
         bad.append("sizes")
@@ -71,7 +71,7 @@ def _mesh_rank(rank: int, world_size: int, backend: str, port: int, shape: tuple
     sub = mesh["tp"]
     if sub.mesh.tolist() != layout[row].tolist() or sub.mesh_dim_names != ("tp",) or sub.get_group() is not tp:
         bad.append(f"mesh['tp'] is {sub!r}")
-    if sub.get_local_rank() != col or sub.get_coordinate() != [col]:
+    if sub.get_local_rank() != col or sub.get_coordinate() != (col,):
         bad.append("mesh['tp'] local rank / coordinate")
     if mesh["dp", "tp"] is not mesh or mesh[("dp",)].get_group() is not dp:
         bad.append("mesh[('dp','tp')] is not the mesh, or mesh[('dp',)] has another group")

@@ -162,9 +162,10 @@ class DeviceMesh:
         """This process's global rank."""
         return self._rank
 
-    def get_coordinate(self) -> list[int] | None:
-        """This rank's index along each dimension, or None if it is not in the mesh."""
-        return None if self._coordinate is None else list(self._coordinate)
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's index along each dimension (a tuple, as torch's), or None if it is not
+        in the mesh."""
+        return None if self._coordinate is None else tuple(self._coordinate)
 
     def get_group(self, mesh_dim: int | str | None = None) -> ProcessGroup:
         """The group of this rank's line along ``mesh_dim`` (optional on a 1-D mesh)."""
