@@ -7,6 +7,10 @@ init_process_group, initialising twice, unknown and GPU-only backends.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 from collective_cases import (
@@ -103,55 +107,68 @@ def test_split_sizes_that_disagree_never_give_wrong_data(backend, op):
         assert all(r["after"] for r in results), results
 
 
-def _sizes_disagree(rank: int, world_size: int, backend: str, port: int, op: str, count: int) -> dict:
-    """The last rank passes one element more than the others (a bug no rank can see alone):
-    every rank errors or returns exactly what its own arguments ask for, and none waits
-    for the group's timeout."""
-    import time
-
+def _disagreeing(rank: int, world_size: int, backend: str, port: int, body: Callable[..., bool],
+                 *args: Any) -> dict:
+    """Run ``body(rank, world_size, *args)`` (whether this rank's result is right) in a group
+    whose ranks' calls disagree: what it raised, what it returned, how long it took."""
     from collective_cases import init
 
     init(rank, world_size, backend, port, timeout=20)
-    n = count + (rank == world_size - 1)
-    root = 0
-    out = {"error": None, "correct": None, "seconds": None}
+    out: dict[str, Any] = {"error": None, "correct": None, "seconds": None}
     t0 = time.monotonic()
     try:
-        if op == "all_reduce":
-            x = np.ones(n)
-            dist.all_reduce(x)
-            out["correct"] = bool((x == world_size).all())
-        elif op == "broadcast":
-            x = np.full(n, float(rank == root))
-            dist.broadcast(x, src=root)
-            out["correct"] = bool((x == 1).all())
-        elif op == "reduce":
-            x = np.ones(n)
-            dist.reduce(x, dst=root)
-            out["correct"] = rank != root or bool((x == world_size).all())
-        elif op == "all_gather_into_tensor":
-            x = np.zeros(world_size * n)
-            dist.all_gather_into_tensor(x, np.full(n, float(rank)))
-            out["correct"] = bool((x == np.repeat(np.arange(world_size), n)).all())
-        elif op == "reduce_scatter_tensor":
-            x = np.zeros(n)
-            dist.reduce_scatter_tensor(x, np.ones(world_size * n))
-            out["correct"] = bool((x == world_size).all())
-        elif op == "gather":
-            x = np.full(n, float(rank))
-            blocks = [np.zeros(n) for _ in range(world_size)] if rank == root else None
-            dist.gather(x, blocks, dst=root)
-            out["correct"] = rank != root or all((b == r).all() for r, b in enumerate(blocks))
-        elif op == "scatter":
-            x = np.zeros(n)
-            blocks = [np.full(n, float(r)) for r in range(world_size)] if rank == root else None
-            dist.scatter(x, blocks, src=root)
-            out["correct"] = bool((x == rank).all())
+        out["correct"] = body(rank, world_size, *args)
     except dist.DistError as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["seconds"] = time.monotonic() - t0
     dist.destroy_process_group()
     return out
+
+
+def _check_disagreeing(results: list[dict]) -> None:
+    """Some rank raised; every rank raised one line or returned right data; none waited for
+    the group's timeout."""
+    assert any(r["error"] for r in results), f"no rank noticed: {results}"
+    for rank, r in enumerate(results):
+        assert r["seconds"] < 10, f"rank {rank} waited {r['seconds']:.1f} s: {r}"
+        if r["error"] is None:
+            assert r["correct"], f"rank {rank} returned wrong data without an error: {results}"
+        else:
+            assert "\n" not in r["error"] and r["error"].startswith("DistBackendError"), r
+
+
+def _sizes_disagree(rank: int, world_size: int, op: str, count: int) -> bool:
+    """The last rank passes one element more than the others (a bug no rank can see alone)."""
+    n = count + (rank == world_size - 1)
+    root = 0
+    if op == "all_reduce":
+        x = np.ones(n)
+        dist.all_reduce(x)
+        return bool((x == world_size).all())
+    if op == "broadcast":
+        x = np.full(n, float(rank == root))
+        dist.broadcast(x, src=root)
+        return bool((x == 1).all())
+    if op == "reduce":
+        x = np.ones(n)
+        dist.reduce(x, dst=root)
+        return rank != root or bool((x == world_size).all())
+    if op == "all_gather_into_tensor":
+        x = np.zeros(world_size * n)
+        dist.all_gather_into_tensor(x, np.full(n, float(rank)))
+        return bool((x == np.repeat(np.arange(world_size), n)).all())
+    if op == "reduce_scatter_tensor":
+        x = np.zeros(n)
+        dist.reduce_scatter_tensor(x, np.ones(world_size * n))
+        return bool((x == world_size).all())
+    if op == "gather":
+        blocks = [np.zeros(n) for _ in range(world_size)] if rank == root else None
+        dist.gather(np.full(n, float(rank)), blocks, dst=root)
+        return blocks is None or all((b == r).all() for r, b in enumerate(blocks))
+    assert op == "scatter", op
+    x = np.zeros(n)
+    dist.scatter(x, [np.full(n, float(r)) for r in range(world_size)] if rank == root else None, src=root)
+    return bool((x == rank).all())
 
 
 @pytest.mark.parametrize("count", [4, 200_000], ids=["small", "large"])
@@ -159,62 +176,40 @@ def _sizes_disagree(rank: int, world_size: int, backend: str, port: int, op: str
                                 "reduce_scatter_tensor", "gather", "scatter"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_arrays_of_different_sizes_across_ranks_are_an_error_not_wrong_data(backend, op, count):
-    results = run_world(_sizes_disagree, 3, backend, op, count, timeout=45)
-    assert any(r["error"] for r in results), f"no rank noticed the sizes differ: {results}"
-    for rank, r in enumerate(results):
-        assert r["seconds"] < 10, f"rank {rank} waited {r['seconds']:.1f} s: {r}"
-        if r["error"] is None:
-            assert r["correct"], f"rank {rank} returned wrong data without an error: {results}"
-        else:
-            assert "\n" not in r["error"] and r["error"].startswith("DistBackendError"), r
+    results = run_world(_disagreeing, 3, backend, _sizes_disagree, op, count, timeout=45)
+    _check_disagreeing(results)
     named = [r["error"] for r in results if r["error"] and "different sizes" in r["error"]]
     assert named, f"no error says the ranks passed arrays of different sizes: {results}"
 
 
-def _calls_disagree(rank: int, world_size: int, backend: str, port: int, case: str, count: int) -> dict:
+def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:
     """Rank 0 makes another call than the others at the same point of the program."""
-    import time
-
-    from collective_cases import init
-
-    init(rank, world_size, backend, port, timeout=20)
-    out = {"error": None, "correct": None, "seconds": None}
     x = np.ones(count)
     first = rank == 0
-    t0 = time.monotonic()
-    try:
-        if case == "all_reduce/broadcast":
-            if first:
-                dist.all_reduce(x)
-                out["correct"] = bool((x == world_size).all())
-            else:
-                dist.broadcast(x, src=0)
-                out["correct"] = bool((x == 1).all())
-        elif case == "all_reduce/barrier":
-            if first:
-                dist.barrier()
-                out["correct"] = True
-            else:
-                dist.all_reduce(x)
-                out["correct"] = bool((x == world_size).all())
-        elif case == "all_gather/all_reduce":  # the same bytes on every rank
-            if first:
-                got = np.zeros(world_size * count)
-                dist.all_gather_into_tensor(got, x)
-                out["correct"] = bool((got == 1).all())
-            else:
-                y = np.ones(world_size * count)
-                dist.all_reduce(y)
-                out["correct"] = bool((y == world_size).all())
-        elif case == "reduce roots":  # rank 0 reduces into itself, the others into rank 1
-            dst = 0 if first else 1
-            dist.reduce(x, dst=dst)
-            out["correct"] = rank != dst or bool((x == world_size).all())
-    except dist.DistError as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - t0
-    dist.destroy_process_group()
-    return out
+    if case == "all_reduce/broadcast":
+        if first:
+            dist.all_reduce(x)
+            return bool((x == world_size).all())
+        dist.broadcast(x, src=0)
+        return bool((x == 1).all())
+    if case == "all_reduce/barrier":
+        if first:
+            dist.barrier()
+            return True
+        dist.all_reduce(x)
+        return bool((x == world_size).all())
+    if case == "all_gather/all_reduce":  # the same bytes on every rank
+        if first:
+            got = np.zeros(world_size * count)
+            dist.all_gather_into_tensor(got, x)
+            return bool((got == 1).all())
+        y = np.ones(world_size * count)
+        dist.all_reduce(y)
+        return bool((y == world_size).all())
+    assert case == "reduce roots", case  # rank 0 reduces into itself, the others into rank 1
+    dst = 0 if first else 1
+    dist.reduce(x, dst=dst)
+    return rank != dst or bool((x == world_size).all())
 
 
 @pytest.mark.parametrize("count", [4, 200_000], ids=["small", "large"])
@@ -223,14 +218,7 @@ def _calls_disagree(rank: int, world_size: int, backend: str, port: int, case: s
 def test_shared_memory_ranks_that_call_different_collectives_get_an_error(case, count):
     """Over shared memory every collective's first phase says which it is: a rank whose peer
     made another call raises at once instead of returning what that call wrote."""
-    results = run_world(_calls_disagree, 3, "shm", case, count, timeout=45)
-    assert any(r["error"] for r in results), f"no rank noticed: {results}"
-    for rank, r in enumerate(results):
-        assert r["seconds"] < 10, f"rank {rank} waited {r['seconds']:.1f} s: {r}"
-        if r["error"] is None:
-            assert r["correct"], f"rank {rank} returned wrong data without an error: {results}"
-        else:
-            assert "\n" not in r["error"] and r["error"].startswith("DistBackendError"), r
+    _check_disagreeing(run_world(_disagreeing, 3, "shm", _calls_disagree, case, count, timeout=45))
 
 
 # -- in this process ----------------------------------------------------------------------
