@@ -326,6 +326,30 @@ def test_two_nodes_on_loopback(tmp_path):
     assert [on1[r]["LOCAL_RANK"] for r in (2, 3)] == ["0", "1"]
 
 
+def test_a_failure_on_the_node_that_hosts_the_store_stops_the_other_node(tmp_path):
+    prog = write(tmp_path, "fail0.py", """
+import os, sys, time
+rank = int(os.environ["RANK"])
+open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+if rank == 0:
+    time.sleep(1)
+    sys.exit(3)
+time.sleep(60)
+""")
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    with subprocess.Popen([*RUN, *common, "--node-rank", "1", prog, str(tmp_path)], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as node1:
+        t0 = time.monotonic()
+        out0 = launch([*common, "--node-rank", "0", prog, str(tmp_path)], tmp_path)
+        _, err1 = node1.communicate(timeout=60)
+        took = time.monotonic() - t0
+    assert out0.returncode == 1 and "exited with code 3" in out0.stderr, out0.stderr
+    assert node1.returncode == 1 and "another node gave up" in err1, err1
+    assert took < 30, f"the other node ran on for {took:.0f} s"
+    assert_gone(wait_pids(tmp_path, 2, timeout=1), within=5)
+
+
 def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
     prog = write(tmp_path, "elastic.py", """
         import os, sys, time

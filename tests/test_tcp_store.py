@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from raw_sockets import closed_by_peer, raw_connect, recv_n
@@ -22,6 +24,7 @@ from distcomm.errors import (
     DistProtocolError,
     DistStoreTimeoutError,
 )
+from distcomm.store import HashStore
 from distcomm.store import tcp_protocol as p
 from distcomm.store.tcp_client import TCPStore
 from distcomm.store.tcp_server import StoreServer
@@ -182,9 +185,21 @@ def test_server_death_is_a_network_error_not_a_hang():
         t.join(10)
         assert not t.is_alive()
         assert isinstance(result["error"], DistNetworkError)
-        with pytest.raises((DistNetworkError, DistConnectTimeoutError)):
-            client.get("a")
+        client.set_timeout(timedelta(seconds=60))
+        t0 = time.monotonic()
+        with pytest.raises(DistNetworkError) as info:  # (refused, or reset by a dying listener)
+            client.get("a")  # reconnecting to a refusing address: not until the 60 s timeout
+        assert time.monotonic() - t0 < 15 and "\n" not in str(info.value)
         client.close()
+
+
+def test_stores_refuse_to_be_copied(master):
+    for store in (master, HashStore()):
+        for copier in (copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match="clone"):
+                copier(store)
+    master.set("still", b"there")  # the original is untouched
+    assert master.get("still") == b"there"
 
 
 def test_standalone_server_command_stops_on_sigterm():
@@ -433,3 +448,21 @@ def _expect_timeout(store, keys, seconds, results):
         results.append("no timeout")
     except DistStoreTimeoutError:
         results.append("timeout")
+
+
+def test_a_client_whose_server_closed_fails_fast_instead_of_retrying_until_its_timeout():
+    server = StoreServer("127.0.0.1", 0)
+    client = TCPStore("127.0.0.1", server.port, timeout=60)
+    try:
+        client.set("k", b"v")
+        server.close()  # its port now refuses connections
+        with pytest.raises(DistNetworkError, match="broke"):
+            client.get("k")  # the open connection breaks
+        t0 = time.monotonic()
+        with pytest.raises(DistNetworkError, match="server is gone") as info:
+            client.get("k")  # the next call reconnects, and is refused
+        assert time.monotonic() - t0 < 15, "retried for the whole timeout"
+        assert "\n" not in str(info.value) and info.value.addr == f"127.0.0.1:{server.port}"
+    finally:
+        client.close()
+        server.close()

@@ -43,6 +43,10 @@ __all__ = ["Agent", "LaunchError"]
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: How long the store's host waits for the other nodes after its workers succeeded.
 EXIT_BARRIER_TIMEOUT = 300.0
+#: A launcher that hosts the store and gives up keeps the store up until every other node
+#: read why, at most this long (s): closing at once would leave them without the message,
+#: their workers running on.
+ABORT_LINGER = 10.0
 #: Seconds a store on this machine (another launcher's) gets to answer our handshake.
 LOCAL_STORE_ANSWER = 5.0
 #: Timeout of store calls while workers run (they never wait for keys).
@@ -361,6 +365,7 @@ class Agent:
             return ""
         message = self._store(lambda r: r.aborted(m.round), None)
         if message is not None:
+            self._store(lambda r: r.saw_abort(m.round), 0)
             _say(f"another node gave up: {message}")
             return 1
         self.attempt += 1
@@ -421,7 +426,19 @@ class Agent:
         _say("\n".join(report))
         if self.cfg.nnodes[1] > 1:
             self._store(lambda r: r.abort(m.round, f"{what} on {socket.gethostname()}"), None)
+            self._linger_for_abort(m)
         return 1
+
+    def _linger_for_abort(self, m: Membership) -> None:
+        """When this launcher hosts the store: wait (at most :data:`ABORT_LINGER`) until every
+        other node of round ``m`` read the abort just written, before the store goes away."""
+        if not self.hosting:
+            return
+        deadline = Deadline(ABORT_LINGER)
+        while not deadline.expired() and not self.store_lost:
+            if self._store(lambda r: r.saw_abort(m.round, seen=False), m.nnodes) >= m.nnodes - 1:
+                return
+            time.sleep(min(self.cfg.monitor_interval, 0.1))
 
     def _succeeded(self, m: Membership) -> int:
         if m.nnodes == 1 or self._store(lambda r: r.mark_done(m.round), None) is None:

@@ -110,6 +110,11 @@ class NodeRendezvous:
         """The message of a launcher that gave up in round ``rnd``, if one did."""
         return self._peek(self._k(rnd, "abort"))
 
+    def saw_abort(self, rnd: int, seen: bool = True) -> int:
+        """Count (with ``seen``) this launcher among those that read round ``rnd``'s abort;
+        return how many did."""
+        return self.store.add(self._k(rnd, "abort_seen"), 1 if seen else 0)
+
     def mark_done(self, rnd: int) -> int:
         """Count this node's success in round ``rnd``; return how many nodes are done."""
         return self.store.add(self._k(rnd, "done"), 1)

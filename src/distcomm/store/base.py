@@ -368,6 +368,15 @@ class Store(ABC):
             )
         self._barrier(key, world_size, self._wait_seconds(timeout))
 
+    def __copy__(self) -> Store:
+        raise DistTypeError(
+            f"a {type(self).__name__} cannot be copied (the copy would share its connection or "
+            "file and close it when collected); clone() opens another one on the same data"
+        )
+
+    def __deepcopy__(self, memo: dict) -> Store:
+        return self.__copy__()
+
     def clone(self) -> Store:
         """Return a new store object on the same data, e.g. for another thread.
 

@@ -8,7 +8,10 @@ flight per store object (a lock serialises threads).  A blocking request
 carries its timeout to the server, which answers TIMEOUT itself, so a timed
 out ``get`` leaves the connection usable.  If the server does not answer at
 all within the timeout plus a margin, or the connection breaks, the
-connection is closed and the next call reconnects.
+connection is closed and the next call reconnects (until its deadline, except
+that a client that had been connected gives up after
+:data:`RECONNECT_REFUSED_GIVE_UP` seconds of refused connections: the server
+is gone).
 
 With a token (``auth_token=``, else ``DISTCOMM_AUTH_TOKEN``) the client and
 the server prove to each other that they know it before anything else is
@@ -58,6 +61,9 @@ _WORKERS_DONE_KEY = INTERNAL_PREFIX + "tcpstore/all_workers_joined"
 CONNECT_BACKOFF_START, CONNECT_BACKOFF_MAX = 0.01, 1.0
 #: The handshake may take this long even when the connect deadline is nearer.
 HANDSHAKE_MIN_WAIT = 1.0
+#: A client that had been connected gives up reconnecting once the server's address has
+#: refused connections this long (s): the server is gone, no need to wait for the timeout.
+RECONNECT_REFUSED_GIVE_UP = 2.0
 
 # Bumped in a forked child: stores then open their own connection.
 _fork_generation = [0]
@@ -107,6 +113,7 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._tenant_port: int | None = None
         self._sock: socket.socket | None = None
+        self._connected_once = False  # then refused reconnects fail fast (the server is gone)
         self._fork_gen = _fork_generation[0]
         self._lock = threading.Lock()
         self._closed = False
@@ -186,6 +193,7 @@ class TCPStore(Store):
         addr = f"{self._host}:{self._port}"
         delay = CONNECT_BACKOFF_START
         attempts = 0
+        refused_since: float | None = None
         while True:
             attempts += 1
             try:
@@ -193,6 +201,16 @@ class TCPStore(Store):
                     (self._host, self._port), timeout=max(0.05, min(deadline.remaining(), 10.0))
                 )
             except OSError as e:
+                if self._connected_once and isinstance(e, ConnectionRefusedError):
+                    now = time.monotonic()
+                    refused_since = refused_since or now
+                    if now - refused_since >= RECONNECT_REFUSED_GIVE_UP:
+                        raise DistNetworkError(
+                            f"the store at {addr} refuses connections (for {now - refused_since:.1f} s, "
+                            "after this client had been connected): its server is gone, the process "
+                            "that hosted it exited or closed it",
+                            addr=addr,
+                        ) from e
                 left = deadline.remaining()
                 if left <= 0:
                     raise DistConnectTimeoutError(
@@ -211,6 +229,7 @@ class TCPStore(Store):
                 raise
             sock.settimeout(None)  # blocking; deadlines come from SO_RCVTIMEO
             self._sock = sock
+            self._connected_once = True
             self._budget = -1.0
             self._rbuf = bytearray(_FIRST_READ)
             return
