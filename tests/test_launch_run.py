@@ -444,3 +444,27 @@ def test_nodes_that_disagree_on_nnodes_both_fail(tmp_path):
         lines = err.splitlines()
         assert len(lines) == 1 and "nodes disagree on --nnodes" in lines[0], err
     assert "never" not in out.stdout
+
+
+def test_static_membership_takes_the_rdzv_endpoint_and_one_worker_keeps_its_threads(tmp_path):
+    import argparse
+
+    from distcomm.launch.args import add_arguments, to_config
+
+    prog = write(tmp_path, "omp.py", 'import os; print("OMP", os.environ.get("OMP_NUM_THREADS"))')
+
+    def config(*argv: str):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return to_config(parser.parse_args([*argv, prog]))
+
+    cfg = config("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:29277",
+                 "--node-rank", "1")
+    assert (cfg.store_host, cfg.store_port, cfg.node_rank) == ("127.0.0.1", 29277, 1)  # as torchrun
+    assert config("--nnodes", "2", "--node-rank", "1").store_port == 29500
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for n, want in ((1, "None"), (2, "1")):  # torchrun sets it only when workers share the node
+        out = subprocess.run([*RUN, "--standalone", "--nproc-per-node", str(n), "--no-rank-prefix", prog],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["OMP", want] * n

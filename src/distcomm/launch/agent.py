@@ -223,7 +223,8 @@ class Agent:
         env.update({k: str(v) for k, v in values.items()})
         if self.auth_token:
             env[auth.ENV_VAR] = self.auth_token
-        env.setdefault("OMP_NUM_THREADS", "1")
+        if self.cfg.nproc > 1:  # workers share the node's cores (torchrun's rule)
+            env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
     def _log_file(self, local_rank: int, name: str, bits: int, want: int):

@@ -114,6 +114,21 @@ def _nnodes(text: str) -> tuple[int, int]:
     return pair
 
 
+def _endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of ``--rdzv-endpoint`` (``[v6]:PORT`` too), checked and resolvable."""
+    host, _, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise UsageError(f"--rdzv-endpoint {text!r}: expected HOST:PORT") from None
+    _port(port, "--rdzv-endpoint port")
+    if not host or port == 0:
+        raise UsageError(f"--rdzv-endpoint {text!r}: expected HOST:PORT")
+    _resolve(host, "--rdzv-endpoint host")
+    return host, port
+
+
 def _nproc(text: str) -> int:
     if text in ("auto", "cpu"):
         try:
@@ -212,16 +227,7 @@ def to_config(args: argparse.Namespace) -> RunConfig:
             raise UsageError(f"--standalone runs one node; got --nnodes {args.nnodes}")
         host, port, host_store, node_rank = "127.0.0.1", args.master_port or 0, "yes", 0
     elif args.rdzv_endpoint and args.rdzv_backend != "static":
-        host, _, port_text = args.rdzv_endpoint.rpartition(":")
-        host = host.strip("[]")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT") from None
-        _port(port, "--rdzv-endpoint port")
-        if not host or port == 0:
-            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT")
-        _resolve(host, "--rdzv-endpoint host")
+        host, port = _endpoint(args.rdzv_endpoint)
         host_store, node_rank = ("try" if _is_local(host) else "no"), None
     else:
         if nnodes[0] != nnodes[1]:
@@ -230,7 +236,9 @@ def to_config(args: argparse.Namespace) -> RunConfig:
             raise UsageError(f"--node-rank {node_rank}: expected 0..{nnodes[0] - 1} for --nnodes {nnodes[0]}")
         host = args.master_addr
         _resolve(host, "--master-addr")
-        if nnodes[0] == 1 and args.master_port is None:
+        if args.rdzv_endpoint:  # static: torchrun takes the endpoint over --master-addr/--master-port
+            host, port = _endpoint(args.rdzv_endpoint)
+        elif nnodes[0] == 1 and args.master_port is None:
             port = 0  # one node: a free port, as --standalone
         else:
             port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
