@@ -468,3 +468,21 @@ def test_static_membership_takes_the_rdzv_endpoint_and_one_worker_keeps_its_thre
                              cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["OMP", want] * n
+
+
+def test_unprefixed_output_is_shown_as_it_comes_unfinished_lines_included(tmp_path):
+    prog = write(tmp_path, "bar.py", """
+        import sys, time
+        for i in range(3):
+            sys.stdout.write(f"\\rstep {i}")
+            sys.stdout.flush()
+            time.sleep(0.5 if i < 2 else 30)
+    """)
+    with subprocess.Popen([*RUN, "--standalone", "--nproc-per-node", "1", "--no-rank-prefix", prog],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job:
+        seen, deadline = b"", time.monotonic() + 20
+        while b"step 2" not in seen and time.monotonic() < deadline:  # no newline ever comes
+            seen += os.read(job.stdout.fileno(), 4096)
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=30)
+    assert seen == b"\rstep 0\rstep 1\rstep 2", seen

@@ -2,8 +2,10 @@
 
 Each stream of each worker (stdout, stderr) has a :class:`StreamSink`.  The
 launcher feeds it whatever it read from the pipe; complete lines go to the
-console with the ``[rankN]:`` prefix (or raw, unprefixed), and raw to the log
-file when teeing or redirecting.  The last lines are kept for the failure report.
+console with the ``[rankN]:`` prefix, or without a prefix everything goes to the
+console as it comes (a progress bar's ``\r`` updates, a prompt without a
+newline), and raw to the log file when teeing or redirecting.  The last lines
+are kept for the failure report.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class StreamSink:
         if self.log is not None:
             self.log.write(data)
             self.log.flush()
+        if not self.prefix:
+            self._write(data)  # as the worker wrote it, unfinished lines included
         data = self.partial + data
         lines = data.split(b"\n")
         self.partial = lines.pop()
@@ -42,13 +46,15 @@ class StreamSink:
             self.partial = b""
         if lines:
             self.tail.extend(lines)
-            self._show(lines)
+            if self.prefix:
+                self._write(b"".join(self.prefix + line + b"\n" for line in lines))
 
     def close(self) -> None:
-        """Flush a last unterminated line and close the log file."""
+        """Flush a last unterminated line (ended, when prefixed) and close the log file."""
         if self.partial:
             self.tail.append(self.partial)
-            self._show([self.partial])
+            if self.prefix:
+                self._write(self.prefix + self.partial + b"\n")
             self.partial = b""
         if self.log is not None:
             self.log.close()
@@ -59,10 +65,9 @@ class StreamSink:
         lines = list(self.tail) + ([self.partial] if self.partial else [])
         return [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
 
-    def _show(self, lines: list[bytes]) -> None:
-        if self.console is None:
+    def _write(self, text: bytes) -> None:
+        if self.console is None or not text:
             return
-        text = b"".join(self.prefix + line + b"\n" for line in lines)
         try:
             self.console.write(text)
             self.console.flush()
