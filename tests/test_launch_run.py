@@ -141,8 +141,12 @@ def test_output_options_prefix_filter_and_log_dir(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["out 1"]
     assert "err 1" in out.stderr.splitlines() and "err 0" not in out.stderr
-    assert (logs / "attempt_0" / "0" / "stdout.log").read_text() == "out 0\n"
-    assert (logs / "attempt_0" / "1" / "stderr.log").read_text() == "err 1\n"
+    (run,) = logs.iterdir()  # one directory per run: a second run does not append to it
+    assert run.name.startswith("default_") and f"worker logs in {run}" in out.stderr
+    assert (run / "attempt_0" / "0" / "stdout.log").read_text() == "out 0\n"
+    assert (run / "attempt_0" / "1" / "stderr.log").read_text() == "err 1\n"
+    again = launch(["--nproc-per-node", "2", "--log-dir", str(logs), prog], tmp_path)
+    assert again.returncode == 0 and len(list(logs.iterdir())) == 2, again.stderr
 
 
 def test_module_and_no_python(tmp_path):

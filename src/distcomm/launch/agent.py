@@ -230,8 +230,12 @@ class Agent:
     def _log_file(self, local_rank: int, name: str, bits: int, want: int):
         if not bits & want:
             return None
-        if self.log_root is None:
-            base = self.cfg.log_dir or tempfile.mkdtemp(prefix="distcomm-run-")
+        if self.log_root is None:  # a new directory for each run (and node), as torchrun's
+            if self.cfg.log_dir:
+                os.makedirs(self.cfg.log_dir, exist_ok=True)
+                base = tempfile.mkdtemp(prefix=f"{self.cfg.rdzv_id}_", dir=self.cfg.log_dir)
+            else:
+                base = tempfile.mkdtemp(prefix="distcomm-run-")
             self.log_root = base
             _say(f"worker logs in {base}")
         path = os.path.join(self.log_root, f"attempt_{self.attempt}", str(local_rank))
