@@ -490,3 +490,30 @@ def test_unprefixed_output_is_shown_as_it_comes_unfinished_lines_included(tmp_pa
         job.send_signal(signal.SIGTERM)
         job.communicate(timeout=30)
     assert seen == b"\rstep 0\rstep 1\rstep 2", seen
+
+
+def test_m_finds_modules_that_only_an_import_hook_knows(tmp_path):
+    # an editable install may add a meta-path finder instead of a path entry
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(textwrap.dedent("""
+        import importlib.abc, importlib.util, sys
+
+        class Ghost(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+            def find_spec(self, name, path=None, target=None):
+                return importlib.util.spec_from_loader(name, self) if name == "ghostmod" else None
+
+            def get_source(self, name):
+                return 'print("ghost ran")'
+
+            def is_package(self, name):
+                return False
+
+        sys.meta_path.append(Ghost())
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "1", "--no-rank-prefix", "-m", "ghostmod"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout == "ghost ran\n", out.stderr
+    missing = launch(["--standalone", "-m", "no_such_module_here"], tmp_path)
+    assert missing.returncode == 2 and "no module named 'no_such_module_here'" in missing.stderr

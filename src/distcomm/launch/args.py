@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
+import importlib.util
 import os
 import shutil
 import socket
@@ -178,13 +179,26 @@ def _command(args: argparse.Namespace) -> list[str]:
         return [script, *rest]
     if args.module:
         top = script.split(".")[0]
-        if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None \
-                and top not in sys.builtin_module_names:
+        if not _module_found(top):
             raise UsageError(f"no module named {top!r} (for -m {script})")
         return [sys.executable, "-u", "-m", script, *rest]
     if not os.path.isfile(script):
         raise UsageError(f"script {script!r} not found")
     return [sys.executable, "-u", script, *rest]
+
+
+def _module_found(top: str) -> bool:
+    """Whether ``python -m`` in this directory would find top-level module ``top``: on the
+    path (the directory first), built in, or through an import hook (as editable installs
+    add); found, not imported."""
+    if top in sys.builtin_module_names:
+        return True
+    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _port(value: int | None, flag: str) -> None:
