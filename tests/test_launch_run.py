@@ -466,6 +466,7 @@ def test_static_membership_takes_the_rdzv_endpoint_and_one_worker_keeps_its_thre
                  "--node-rank", "1")
     assert (cfg.store_host, cfg.store_port, cfg.node_rank) == ("127.0.0.1", 29277, 1)  # as torchrun
     assert config("--nnodes", "2", "--node-rank", "1").store_port == 29500
+    assert config("--run-path", "--no-python").argv[:2] == [sys.executable, "-u"]  # a Python file after all
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     for n, want in ((1, "None"), (2, "1")):  # torchrun sets it only when workers share the node
         out = subprocess.run([*RUN, "--standalone", "--nproc-per-node", str(n), "--no-rank-prefix", prog],

@@ -100,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="accepted for torchrun compatibility (workers are always new processes)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
     flag("no-python", action="store_true", help="SCRIPT is an executable, not a Python file")
+    flag("run-path", action="store_true",
+         help="SCRIPT is a Python file, whatever --no-python says (torchrun's flag; each worker "
+              "runs it in a fresh interpreter, as without it)")
     p.add_argument("script", metavar="SCRIPT", nargs="?", help="the program every worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -171,6 +174,10 @@ def _command(args: argparse.Namespace) -> list[str]:
     script, rest = args.script, list(args.script_args)
     if script is None:
         raise UsageError("no program given: distcomm run [flags] SCRIPT [args...]")
+    if args.run_path:
+        if args.module:
+            raise UsageError("--run-path and -m cannot be combined")
+        args.no_python = False
     if args.module and args.no_python:
         raise UsageError("-m and --no-python cannot be combined")
     if args.no_python:
