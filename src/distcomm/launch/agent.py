@@ -411,7 +411,7 @@ class Agent:
         what = f"rank {w.spec.rank} (local rank {w.spec.local_rank}, pid {w.pid}) {describe_exit(code)}"
         others = sum(1 for x in self.workers if x.returncode is None)
         self._release(w)  # its last output first, then our report
-        _say(f"{what}; stopping the other {others} workers")
+        _say(f"{what}; stopping the other {others} worker{'s' if others != 1 else ''}" if others else what)
         self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
         if self.cfg.nnodes[1] > 1:  # did another node fail first (and take ours down)?
             outcome = self._round_changed(m)
