@@ -346,8 +346,7 @@ class ShmCollectives:
         head[1] = off
         head[2] = arr.nbytes
         head[3] = addr
-        head[_SIZE_WORD] = arr.nbytes
-        head[_CALL_WORD] = q << 4 | code
+        self._say(used[me], q, code, arr.nbytes)
         if off < 0 and not addr:
             fill(used[me])
         self.ctl.post(q)
@@ -864,7 +863,7 @@ class ShmCollectives:
         words = self._words[me][used[me]]
         words[0] = words[2] = 0
         words[4], words[5] = split_hashes(self._split_weights, counts, counts)
-        words[_CALL_WORD] = q << 4 | _ALLTOALL
+        self._say(used[me], q, _ALLTOALL, None)
         self.ctl.post(q)
         self.ctl.wait_all(q, deadline)
         self._read_until(used[me], q)

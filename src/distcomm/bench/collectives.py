@@ -9,8 +9,8 @@ of calls on ``-n`` ranks:
   barrier (with ``--sync``, also a barrier of the library before every timed
   call: the ranks then start each call together, as in the OSU benchmarks;
   without it, a rank whose check and reset take longer, such as a broadcast's
-  non-root, starts later and its delay shows in the others' time).  Each rank times every call alone (``perf_counter`` around the
-  call); the main process takes, for each iteration, the **maximum over the
+  non-root, starts later and its delay shows in the others' time).  Each rank
+  times every call alone (``perf_counter`` around the call); the main process takes, for each iteration, the **maximum over the
   ranks**, and reports the p50 and p99 of those;
 * after every call (outside the timed region) each rank checks its result
   exactly (the whole array up to 1 MiB, sample positions above) and resets

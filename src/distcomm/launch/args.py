@@ -174,13 +174,12 @@ def _command(args: argparse.Namespace) -> list[str]:
     script, rest = args.script, list(args.script_args)
     if script is None:
         raise UsageError("no program given: distcomm run [flags] SCRIPT [args...]")
-    if args.run_path:
-        if args.module:
-            raise UsageError("--run-path and -m cannot be combined")
-        args.no_python = False
-    if args.module and args.no_python:
+    if args.run_path and args.module:
+        raise UsageError("--run-path and -m cannot be combined")
+    no_python = args.no_python and not args.run_path  # --run-path: a Python file after all
+    if args.module and no_python:
         raise UsageError("-m and --no-python cannot be combined")
-    if args.no_python:
+    if no_python:
         if shutil.which(script) is None:
             raise UsageError(f"program {script!r} not found (or not executable)")
         return [script, *rest]
@@ -255,16 +254,17 @@ def to_config(args: argparse.Namespace) -> RunConfig:
             raise UsageError(f"--nnodes {args.nnodes} (elastic) needs --rdzv-endpoint HOST:PORT")
         if not 0 <= node_rank < nnodes[0]:
             raise UsageError(f"--node-rank {node_rank}: expected 0..{nnodes[0] - 1} for --nnodes {nnodes[0]}")
-        host = args.master_addr
-        _resolve(host, "--master-addr")
         if args.rdzv_endpoint:  # static: torchrun takes the endpoint over --master-addr/--master-port
             host, port = _endpoint(args.rdzv_endpoint)
-        elif nnodes[0] == 1 and args.master_port is None:
-            port = 0  # one node: a free port, as --standalone
         else:
-            port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
-            if port == 0:
-                raise UsageError("--master-port 0 needs a single node (other nodes must know it)")
+            host = args.master_addr
+            _resolve(host, "--master-addr")
+            if nnodes[0] == 1 and args.master_port is None:
+                port = 0  # one node: a free port, as --standalone
+            else:
+                port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+                if port == 0:
+                    raise UsageError("--master-port 0 needs a single node (other nodes must know it)")
         host_store = "yes" if node_rank == 0 else "no"
     return RunConfig(
         argv=argv, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
