@@ -455,7 +455,8 @@ def test_static_membership_takes_the_rdzv_endpoint_and_one_worker_keeps_its_thre
 
     from distcomm.launch.args import add_arguments, to_config
 
-    prog = write(tmp_path, "omp.py", 'import os; print("OMP", os.environ.get("OMP_NUM_THREADS"))')
+    # one write per worker: unprefixed output is passed through as it comes, so two print()s could interleave
+    prog = write(tmp_path, "omp.py", 'import os; os.write(1, f"OMP {os.environ.get(\'OMP_NUM_THREADS\')}\\n".encode())')
 
     def config(*argv: str):
         parser = argparse.ArgumentParser()
