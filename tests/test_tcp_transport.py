@@ -349,3 +349,43 @@ def _early_reuse(rank: int, n: int, port: int) -> bool:
 
 def test_early_messages_reuse_their_buffers_safely():
     assert run_ranks(_early_reuse, 2, free_port(), timeout=60) == [True, True]
+
+
+def test_the_matcher_fails_a_receive_whose_peer_sent_for_another_collective_of_that_call():
+    from distcomm.transport.base import COLLECTIVE_CODES, coded_seq, tag_code
+    from distcomm.transport.matching import Matcher, RecvRequest
+
+    ar, bc = COLLECTIVE_CODES["all_reduce"], COLLECTIVE_CODES["broadcast"]
+    members = {0: 0, 1: 1, 2: 2}
+
+    def recv(tag, peer=1):
+        return RecvRequest(peer, 7, tag, memoryview(bytearray(8)), members)
+
+    m = Matcher()
+    mine = recv(collective_tag(coded_seq(5, ar), 0))
+    assert m.post(mine) == (None, None)
+    m.keep_early(2, 7, collective_tag(coded_seq(5, bc), 0), b"x" * 8)  # another peer: not its business
+    m.keep_early(1, 7, collective_tag(coded_seq(6, bc), 0), b"x" * 8)  # a later call: fine
+    m.keep_early(1, 8, collective_tag(coded_seq(5, bc), 0), b"x" * 8)  # another group: fine
+    m.keep_early(1, 7, 5, b"x" * 8)  # point-to-point tag 5: no code
+    assert not mine.done() and tag_code(5) == 0
+    m.on_rts(1, 7, collective_tag(coded_seq(5, bc), 3), 1 << 20)  # the peer's broadcast of that call
+    assert mine.done() and not m.posts
+    assert str(mine.error) == "rank 1 called broadcast where this rank called all_reduce: the ranks' calls differ"
+    assert mine.error.peer == 1
+
+    # the other order: the message is here first, the receive is posted after
+    same = recv(collective_tag(coded_seq(5, bc), 1), peer=2)  # rank 2's broadcast, another step
+    assert m.post(same) == (None, None) and not same.done()
+    gather = recv(collective_tag(coded_seq(5, COLLECTIVE_CODES["gather"]), 0), peer=2)
+    assert m.post(gather) == (None, None) and gather.done()
+    assert str(gather.error).startswith("rank 2 called broadcast where this rank called gather")
+
+    # a receive waiting two ticks is told to its peer, then every `every` ticks
+    m = Matcher()
+    waiting = recv(collective_tag(coded_seq(9, ar), 0))
+    m.post(waiting)
+    m.post(recv(collective_tag(coded_seq(9, ar), 0), peer=None))  # from any rank: nobody to tell
+    told = [m.calls_to_tell(every=3) for _ in range(6)]
+    assert [len(t) for t in told] == [0, 1, 0, 0, 1, 0]
+    assert told[1] == [(1, 7, waiting.tag)]

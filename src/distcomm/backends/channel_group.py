@@ -25,11 +25,16 @@ from ..errors import DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup, describe_rank
 from ..memcopy import copy_into
 from ..reduce_op import FINALIZED, finalize, op_combiner
-from ..transport.base import MAX_P2P_TAG, Channel, Request, p2p_tag
+from ..transport.base import COLLECTIVE_CODES, MAX_P2P_TAG, Channel, Request, coded_seq, p2p_tag
 from ..work import Work
 
 __all__ = ["ChannelProcessGroup"]
 
+#: Each collective's code, carried in its messages' tags (a rank whose peer made another call
+#: at the same point finds out from the peer's first message).
+_ALLREDUCE, _BROADCAST, _REDUCE, _ALLGATHER, _GATHER, _SCATTER, _REDUCE_SCATTER, _ALLTOALL, _BARRIER = (
+    COLLECTIVE_CODES[name] for name in ("all_reduce", "broadcast", "reduce", "all_gather", "gather",
+                                        "scatter", "reduce_scatter", "all_to_all", "barrier"))
 #: The argument description of a collective without arguments (barrier).
 _NO_ARGS = (None, None, None, None, None)
 
@@ -64,32 +69,35 @@ class ChannelAlgorithms:
         self._scratch = algo.Scratch()  # one collective runs at a time
 
     def barrier(self, seq: int, deadline: Deadline) -> None:
-        algo.barrier(self.channel, seq, deadline)
+        algo.barrier(self.channel, coded_seq(seq, _BARRIER), deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
-        algo.broadcast(self.channel, arr, root, seq, deadline)
+        algo.broadcast(self.channel, arr, root, coded_seq(seq, _BROADCAST), deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        algo.allreduce(self.channel, arr, combine, seq, deadline, scratch=self._scratch)
+        algo.allreduce(self.channel, arr, combine, coded_seq(seq, _ALLREDUCE), deadline,
+                       scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        algo.reduce(self.channel, arr, combine, root, seq, deadline, scratch=self._scratch)
+        algo.reduce(self.channel, arr, combine, root, coded_seq(seq, _REDUCE), deadline,
+                    scratch=self._scratch)
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
-        algo.allgather(self.channel, out, seq, deadline, scratch=self._scratch)
+        algo.allgather(self.channel, out, coded_seq(seq, _ALLGATHER), deadline, scratch=self._scratch)
 
     def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
                deadline: Deadline) -> None:
-        algo.gather(self.channel, send, out, root, seq, deadline)
+        algo.gather(self.channel, send, out, root, coded_seq(seq, _GATHER), deadline)
 
     def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
                 deadline: Deadline) -> None:
-        algo.scatter(self.channel, buf, out, root, seq, deadline)
+        algo.scatter(self.channel, buf, out, root, coded_seq(seq, _SCATTER), deadline)
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Any, seq: int,
                        deadline: Deadline) -> None:
         """``out`` = this rank's block of the reduction; ``inp`` stays intact
         unless it is the group's own reduce_scatter staging buffer."""
+        seq = coded_seq(seq, _REDUCE_SCATTER)
         if algo.select.reduce_scatter_algorithm(inp.nbytes, self.channel.size) == "direct":
             # reads inp as it is: no staging copy
             algo.direct_reduce_scatter(self.channel, inp, out, combine, seq, deadline, scratch=self._scratch)
@@ -101,7 +109,7 @@ class ChannelAlgorithms:
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
                  send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
-        algo.alltoall(self.channel, send, recv, seq, deadline,
+        algo.alltoall(self.channel, send, recv, coded_seq(seq, _ALLTOALL), deadline,
                       send_counts=send_counts, recv_counts=recv_counts)
 
 

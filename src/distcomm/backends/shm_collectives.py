@@ -91,6 +91,7 @@ from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistDesyncError
 from ..memcopy import copy_into
+from ..transport.base import COLLECTIVE_CODES, COLLECTIVE_NAMES, clash_text
 from ..transport.shm_cma import PeerReader
 from ..transport.shm_sync import Control
 
@@ -105,10 +106,8 @@ Combine = Callable[[np.ndarray, np.ndarray], None]
 #: 7 that phase's number and the collective's code (``phase << 4 | code``, :data:`_CODES`).
 HEADER = 64
 _SIZE_WORD, _CALL_WORD = 6, 7
-#: The collectives' codes in header word 7.
-_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "gather": 5, "scatter": 6,
-          "reduce_scatter": 7, "all_to_all": 8}
-_NAMES = {code: name for name, code in _CODES.items()}
+#: The collectives' codes in header word 7 (those their messages carry over a channel).
+_CODES, _NAMES = COLLECTIVE_CODES, COLLECTIVE_NAMES
 _ALLREDUCE, _ALLTOALL = _CODES["all_reduce"], _CODES["all_to_all"]
 #: Bytes of one piece when a direct reduction goes piece by piece (the accumulator
 #: stays in cache while every peer's piece is added; a peer's private piece is read
@@ -297,7 +296,7 @@ class ShmCollectives:
             why = (f"{who} is not in this {mine} (it called another collective here, or this one "
                    "with another root, or left one out before): the ranks' calls differ")
         elif call & 15 != code:
-            why = f"{who} called {_NAMES.get(call & 15, '?')} where this rank called {mine}"
+            why = clash_text(who, call & 15, code)
         else:
             why = (f"{who} passed {theirs} bytes where this rank passed {nbytes} ({what}): the "
                    "ranks passed arrays of different sizes")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
-from .base import Request, is_eager
+from .base import Request, clash_text, clashes, is_eager, tag_code
 
 __all__ = ["EAGER_BYTES", "SENT", "BufferPool", "Matcher", "RecvRequest", "SendRequest", "size_class"]
 
@@ -172,7 +172,8 @@ class SendRequest(_Done):
 
 
 class RecvRequest(_Done):
-    __slots__ = ("peer", "group", "tag", "view", "bound", "rts_seen", "rtr_sent", "members", "source")
+    __slots__ = ("peer", "group", "tag", "view", "bound", "rts_seen", "rtr_sent", "members", "source",
+                 "ticks")
 
     def __init__(self, peer: int | None, group: int, tag: int, view: memoryview, members) -> None:
         self.peer = peer  # a process rank, or None for any member of the group
@@ -184,6 +185,7 @@ class RecvRequest(_Done):
         self.rtr_sent = False
         self.members = members  # process rank -> group rank, for every allowed source
         self.source: int | None = None  # group rank of the sender, once matched
+        self.ticks = 0  # the transport's ticks it has been waiting for (see calls_to_tell)
 
     def accepts(self, peer: int) -> bool:
         if self.bound is not None:
@@ -232,6 +234,11 @@ class Matcher:
                     req.rts_seen = True
                     grant = peer
                     break
+        if grant is None and tag_code(req.tag):
+            clash = self._waiting_clash(req)
+            if clash is not None:
+                req.complete(clash)
+                return None, None
         if grant is None and req.peer is not None and len(req.view) > EAGER_BYTES \
                 and not is_eager(req.tag):
             grant = req.peer  # grant ahead: the sender need not ask
@@ -266,6 +273,45 @@ class Matcher:
     def keep_early(self, peer: int, group: int, tag: int, data: bytes) -> None:
         self.early.setdefault((group, tag), deque()).append((peer, data))
         self.early_bytes += len(data)
+        if tag_code(tag):
+            self.clash_with(peer, group, tag)
+
+    # -- ranks whose calls differ ---------------------------------------------------------
+    def calls_to_tell(self, every: int) -> list[tuple[int, int, int]]:
+        """``(peer, group, tag)`` of the collective receives from one peer that waited
+        through a whole tick since they were posted (then every ``every`` ticks): the
+        transport tells the peer which call this rank waits in (it may wait in another)."""
+        due = []
+        for (group, tag), posts in self.posts.items():
+            if tag_code(tag):
+                for req in posts:
+                    req.ticks += 1
+                    if req.bound is not None and req.ticks % every == 2 % every:
+                        due.append((req.bound, group, tag))
+        return due
+
+    def _waiting_clash(self, req: RecvRequest) -> BaseException | None:
+        """The error for ``req`` if a message its source sent for the same call of another
+        collective is already here (kept early, or announced by an RTS)."""
+        for held in (self.early, self.rts):
+            for (group, tag), queue in held.items():
+                if group == req.group and clashes(tag, req.tag):
+                    for item in queue:
+                        if req.accepts(item[0]):
+                            return _clash_error(req, item[0], tag)
+        return None
+
+    def clash_with(self, peer: int, group: int, tag: int) -> None:
+        """Fail the receives posted for the same call as ``peer``'s unmatched message of
+        another collective: the ranks' calls differ."""
+        hits = [(key, req) for key, posts in self.posts.items() if key[0] == group and clashes(tag, key[1])
+                for req in posts if req.accepts(peer)]
+        for key, req in hits:
+            posts = self.posts[key]
+            posts.remove(req)
+            if not posts:
+                del self.posts[key]
+            req.complete(_clash_error(req, peer, tag))
 
     def on_rts(self, peer: int, group: int, tag: int, nbytes: int) -> bool:
         """Note an RTS; return True if an RTR must be sent back now."""
@@ -279,6 +325,8 @@ class Matcher:
                 req.rtr_sent = True
                 return True
         self.rts.setdefault(key, deque()).append((peer, nbytes))
+        if tag_code(tag):
+            self.clash_with(peer, group, tag)
         return False
 
     # -- failure --------------------------------------------------------------
@@ -383,6 +431,12 @@ class BufferPool:
                     del self._free[size]
             self._free.setdefault(cls, []).append(buf)
             self._held += cls
+
+
+def _clash_error(req: RecvRequest, peer: int, tag: int) -> DistBackendError:
+    group_rank = req.members.get(peer, peer)
+    who = f"rank {peer}" if group_rank == peer else f"rank {peer} (group rank {group_rank})"
+    return DistBackendError(clash_text(who, tag_code(tag), tag_code(req.tag)), peer=peer)
 
 
 def lost_peer_error(rank: int, what: str, group_rank: int | None = None) -> DistBackendError:

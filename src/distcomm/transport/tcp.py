@@ -121,6 +121,10 @@ _WRITER_RECHECK = 0.02
 _PUMP_PEERS_MAX = 16
 #: How long a writer thread waits for a socket to become writable before rechecking state.
 _WRITER_POLL_MS = 500
+#: While collective receives are pending, the progress thread ticks this often (s); one from a
+#: known peer pending a whole tick tells that peer its call (CALL), then every CALL_EVERY ticks.
+CALL_TICK = 1.0
+CALL_EVERY = 5
 #: Most seconds close() waits for queued frames to leave (peers that must still connect).
 CLOSE_LINGER = 10.0
 #: How long closing waits for peers to close their side of each connection.
@@ -729,6 +733,7 @@ class TcpTransport:
         parked: set[_Peer] = set()  # sockets left unwatched while a waiting thread read them
         deferred: set[_Peer] = set()  # sockets left unread: a payload waits for its receive
         lfd, wfd = self._listener.fileno(), self._wake_r.fileno()
+        tick = time.monotonic() + CALL_TICK
         try:
             while not self._closed:
                 if hello:
@@ -741,6 +746,12 @@ class TcpTransport:
                     wait = delay if wait < 0 else min(wait, delay)
                 if deferred:
                     wait = DEFER_CHECK if wait < 0 else min(wait, DEFER_CHECK)
+                now = time.monotonic()
+                if now >= tick:  # (a wake-up a second, also when idle: posting stays syscall-free)
+                    if self._matcher.posts:
+                        self._tell_calls()
+                    tick = now + CALL_TICK
+                wait = tick - now if wait < 0 else min(wait, tick - now)
                 for fd, _ev in self._ep.poll(wait):
                     if fd == lfd:
                         self._accept(hello)
@@ -783,6 +794,19 @@ class TcpTransport:
         finally:
             for h in hello.values():
                 h.sock.close()
+
+    def _tell_calls(self) -> None:
+        """Send CALL for the collective receives waiting long (see :data:`CALL_TICK`): a peer
+        in another collective at that point fails it, and its abort reaches this rank."""
+        told = []
+        with self._mu:
+            for peer, group, tag in self._matcher.calls_to_tell(CALL_EVERY):
+                p = self._peers.get(peer)
+                if p is not None and p.state == "up":
+                    self._queue(p, _Out(w.HEADER.pack(w.CALL, group, tag, 0), None, None))
+                    told.append(p)
+        for p in told:
+            self._flush(p)
 
     def _accept(self, hello: dict[int, _Hello]) -> None:
         while True:
@@ -1053,6 +1077,9 @@ class TcpTransport:
                 return False
             elif kind == w.LEAVE:
                 self._on_leave(p, group)
+            elif kind == w.CALL:
+                with self._mu:
+                    self._matcher.clash_with(p.rank, group, tag)
             elif kind == w.ABORT:
                 if nbytes > 65536:
                     raise DistNetworkError(f"rank {p.rank} sent an oversized ABORT frame")

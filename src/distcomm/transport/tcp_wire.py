@@ -29,7 +29,7 @@ handshake within :data:`HELLO_TIMEOUT` seconds is closed.  Frames::
 
     u8 kind  u64 group  u64 tag  u64 nbytes   (25 bytes)   [+ nbytes of payload for DATA]
 
-``kind`` is DATA, RTS, RTR (see :mod:`.matching`), ABORT, BYE or LEAVE.
+``kind`` is DATA, RTS, RTR (see :mod:`.matching`), ABORT, BYE, LEAVE or CALL.
 ABORT tells the peer that ``group`` failed on the sender; its payload is the
 reason (UTF-8), and ``tag`` carries the process rank that was lost, or
 ``2**64-1``.  BYE says the sender is closing on purpose: the end of the
@@ -38,7 +38,10 @@ that peer).  LEAVE says the sender destroyed ``group`` (its process goes
 on): the receiver's receives from it in that group, and sends to it there
 not yet granted, fail; what the sender sent before still arrives first
 (``tag`` and ``nbytes`` are unused; a LEAVE for a group the receiver has no
-channel on is ignored).  A frame of an unknown kind, or an oversized ABORT, ends the
+channel on is ignored).  CALL says the sender has waited a while for a
+collective message from the receiver with ``tag`` (``nbytes`` unused): a
+receiver waiting in that call of another collective fails it (the ranks'
+calls differ, and neither would ever send what the other waits for).  A frame of an unknown kind, or an oversized ABORT, ends the
 connection to that peer only; a DATA frame nobody asked for that is larger
 than the early-message budget is read and discarded, never allocated.
 """
@@ -58,7 +61,7 @@ VERSION = 1
 AUTH_VERSION = 2
 HELLO = struct.Struct(">4sHH16sI")
 HEADER = struct.Struct(">BQQQ")
-DATA, RTS, RTR, ABORT, BYE, LEAVE = 1, 2, 3, 4, 5, 6
+DATA, RTS, RTR, ABORT, BYE, LEAVE, CALL = 1, 2, 3, 4, 5, 6, 7
 #: Handshake flag: only checking that the listener is alive; close at once.
 PROBE = 1
 #: Handshake flag: the sender authenticates (version 2).
