@@ -494,6 +494,23 @@ def test_unprefixed_output_is_shown_as_it_comes_unfinished_lines_included(tmp_pa
     assert seen == b"\rstep 0\rstep 1\rstep 2", seen
 
 
+def test_workers_read_the_launchers_stdin_and_a_prefixed_prompt_is_shown_before_its_answer(tmp_path):
+    prog = write(tmp_path, "ask.py", """
+        name = input("name? ")
+        print("hi", name)
+        print("second line")
+    """)
+    with subprocess.Popen([*RUN, "--standalone", "--nproc-per-node", "1", prog], cwd=tmp_path,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job:
+        seen, deadline = b"", time.monotonic() + 20
+        while b"name? " not in seen and time.monotonic() < deadline:  # shown with no newline yet
+            seen += os.read(job.stdout.fileno(), 4096)
+        assert seen == b"[rank0]:name? ", seen
+        out, err = job.communicate(b"bob\n", timeout=30)
+    assert job.returncode == 0, err
+    assert seen + out == b"[rank0]:name? hi bob\n[rank0]:second line\n"  # one prefix per line
+
+
 def test_m_finds_modules_that_only_an_import_hook_knows(tmp_path):
     # an editable install may add a meta-path finder instead of a path entry
     hooks = tmp_path / "hooks"

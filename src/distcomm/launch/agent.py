@@ -280,6 +280,10 @@ class Agent:
 
     def _pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` for output, exits or signals, and handle them."""
+        sinks = [sink for w in self.workers for sink in w.sinks.values()]
+        due = min((d for sink in sinks if (d := sink.partial_due()) is not None), default=None)
+        if due is not None:  # a prompt may be waiting for an answer: show it in time
+            timeout = min(timeout, max(due - time.monotonic(), 0.0))
         for key, _ in self.sel.select(timeout):
             kind, w = key.data
             if kind == "out":
@@ -296,6 +300,11 @@ class Agent:
                 self.sel.unregister(w.pidfd)
                 os.close(w.pidfd)
                 w.pidfd = None
+        now = time.monotonic()
+        for sink in sinks:
+            due = sink.partial_due()
+            if due is not None and due <= now:
+                sink.show_partial()
         for w in self.workers:
             w.poll()
 

@@ -4,13 +4,17 @@ Each stream of each worker (stdout, stderr) has a :class:`StreamSink`.  The
 launcher feeds it whatever it read from the pipe; complete lines go to the
 console with the ``[rankN]:`` prefix, or without a prefix everything goes to the
 console as it comes (a progress bar's ``\r`` updates, a prompt without a
-newline), and raw to the log file when teeing or redirecting.  The last lines
-are kept for the failure report.
+newline), and raw to the log file when teeing or redirecting.  A prefixed
+unfinished line that nothing follows for :data:`PARTIAL_DELAY` seconds (a
+prompt: ``(Pdb) ``, ``input("name? ")``) is shown as far as it goes, and the
+rest of that line follows without a second prefix.  The last lines are kept
+for the failure report.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from typing import BinaryIO
 
 __all__ = ["StreamSink", "parse_std_spec"]
@@ -19,6 +23,8 @@ __all__ = ["StreamSink", "parse_std_spec"]
 TAIL_LINES = 15
 #: A line longer than this is written out without waiting for its end.
 MAX_LINE = 64 * 1024
+#: Seconds a prefixed unfinished line waits for its end before it is shown as it is.
+PARTIAL_DELAY = 0.2
 
 
 class StreamSink:
@@ -29,6 +35,8 @@ class StreamSink:
         self.console = console
         self.log = log
         self.partial = b""
+        self.shown = 0  # bytes of ``partial`` already on the console (prefixed: see show_partial)
+        self.partial_since = 0.0  # when ``partial`` last grew with nothing shown of it (monotonic)
         self.tail: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
 
     def feed(self, data: bytes) -> None:
@@ -47,15 +55,32 @@ class StreamSink:
         if lines:
             self.tail.extend(lines)
             if self.prefix:
-                self._write(b"".join(self.prefix + line + b"\n" for line in lines))
+                shown, self.shown = self.shown, 0
+                first = lines[0][shown:] + b"\n" if shown else self.prefix + lines[0] + b"\n"
+                self._write(first + b"".join(self.prefix + line + b"\n" for line in lines[1:]))
+        if self.prefix and len(self.partial) > self.shown:
+            self.partial_since = time.monotonic()
+
+    def partial_due(self) -> float | None:
+        """When the unfinished line is to be shown (monotonic), or None if nothing waits."""
+        if not self.prefix or len(self.partial) <= self.shown or self.console is None:
+            return None
+        return self.partial_since + PARTIAL_DELAY
+
+    def show_partial(self) -> None:
+        """Show the unfinished line as far as it goes (a prompt waiting for an answer)."""
+        if len(self.partial) > self.shown:
+            self._write((b"" if self.shown else self.prefix) + self.partial[self.shown :])
+            self.shown = len(self.partial)
 
     def close(self) -> None:
         """Flush a last unterminated line (ended, when prefixed) and close the log file."""
         if self.partial:
             self.tail.append(self.partial)
             if self.prefix:
-                self._write(self.prefix + self.partial + b"\n")
+                self._write((self.partial[self.shown :] if self.shown else self.prefix + self.partial) + b"\n")
             self.partial = b""
+            self.shown = 0
         if self.log is not None:
             self.log.close()
             self.log = None

@@ -125,7 +125,7 @@ def start_worker(spec: WorkerSpec, out: StreamSink, err: StreamSink) -> Worker:
     proc = subprocess.Popen(
         spec.argv,
         env=spec.env,
-        stdin=subprocess.DEVNULL,
+        stdin=None,  # the launcher's, as under torchrun: input() and pdb prompts can be answered
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
