@@ -494,6 +494,79 @@ def test_unprefixed_output_is_shown_as_it_comes_unfinished_lines_included(tmp_pa
     assert seen == b"\rstep 0\rstep 1\rstep 2", seen
 
 
+def test_torchruns_other_flags(tmp_path, monkeypatch):
+    import argparse
+
+    from distcomm.launch.args import UsageError, add_arguments, to_config
+
+    prog = write(tmp_path, "x.py", "")
+
+    def config(*argv: str):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return to_config(parser.parse_args([*argv, prog]))
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert config().shutdown_timeout == 30  # torchrun's default
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7.5")
+    assert config().shutdown_timeout == 7.5 and config("--shutdown-timeout", "2").shutdown_timeout == 2
+    assert config("--signals_to_handle", "SIGTERM,usr1,12").signals == (
+        signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    cfg = config("--duplicate-stdout-filters", "loss,a,,b", "--local-addr", "localhost")
+    assert cfg.duplicate_filters == (["loss", "a,b"], []) and cfg.local_addr == "localhost"
+    for argv, says in [
+        (["--signals-to-handle", "SIGNOPE"], "'SIGNOPE' is not a signal"),
+        (["--signals-to-handle", "SIGKILL"], "SIGKILL cannot be handled"),
+        (["--logs-specs", "mine"], "use --log-dir"),
+        (["--numa-binding", "node"], "does not bind workers"),
+        (["--event-log-handler", "console"], "records no torchelastic events"),
+        (["--local-addr", "no.such.host.invalid"], "--local-addr"),
+    ]:
+        with pytest.raises(UsageError, match=says):
+            config(*argv)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+    with pytest.raises(UsageError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon': expected seconds"):
+        config()
+
+
+def test_duplicated_lines_virtual_local_rank_and_local_addr(tmp_path):
+    prog = write(tmp_path, "dup.py", """
+        import os
+        r = os.environ["RANK"]
+        print(f"loss {r}")
+        print(f"noise {r}")
+        print(f"a,b {r}", os.environ["LOCAL_RANK"], os.environ.get("DISTCOMM_HOSTNAME"))
+    """)
+    logs = tmp_path / "logs"
+    out = launch(["--nproc-per-node", "2", "--duplicate-stdout-filters", "loss,a,,b", "--virtual-local-rank",
+                  "--local-addr", "127.0.0.1", "--log-dir", str(logs), prog], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert {"[rank0]:a,b 0 0 127.0.0.1", "[rank1]:a,b 1 0 127.0.0.1"} <= set(out.stdout.splitlines())
+    (run,) = logs.iterdir()
+    kept = (run / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    assert sorted(kept) == ["[rank0]:a,b 0 0 127.0.0.1", "[rank0]:loss 0", "[rank1]:a,b 1 0 127.0.0.1",
+                            "[rank1]:loss 1"]
+    assert not (run / "attempt_0" / "filtered_stderr.log").exists()
+
+
+def test_signals_to_handle_forwards_another_signal(tmp_path):
+    prog = write(tmp_path, "usr1.py", WAIT_PROG.replace("time.sleep(60)", """
+import signal
+signal.signal(signal.SIGUSR1, lambda *_: (print("rank", os.environ["RANK"], "saves", flush=True), sys.exit(0)))
+time.sleep(60)
+"""))
+    with subprocess.Popen([*RUN, "--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1", prog,
+                           str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as job:
+        pids = wait_pids(tmp_path, 2)
+        job.send_signal(signal.SIGUSR1)
+        out, err = job.communicate(timeout=30)
+    assert job.returncode == 128 + signal.SIGUSR1, err
+    assert "got SIGUSR1; stopping 2 workers" in err
+    assert {"[rank0]:rank 0 saves", "[rank1]:rank 1 saves"} <= set(out.splitlines())
+    assert_gone(pids)
+
+
 def test_workers_read_the_launchers_stdin_and_a_prefixed_prompt_is_shown_before_its_answer(tmp_path):
     prog = write(tmp_path, "ask.py", """
         name = input("name? ")

@@ -33,14 +33,14 @@ from typing import TypeVar
 from ..deadline import Deadline
 from ..errors import DistConnectTimeoutError, DistError, DistNetworkError, DistProtocolError
 from ..store import TCPStore, auth
+from ..transport.tcp_wire import HOST_VAR
 from .args import RunConfig
-from .output import StreamSink
+from .output import LineCopy, StreamSink
 from .rdzv import Membership, NodeRendezvous, RendezvousFailed
 from .workers import Worker, WorkerSpec, describe_exit, signal_name, start_worker
 
 __all__ = ["Agent", "LaunchError"]
 
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: How long the store's host waits for the other nodes after its workers succeeded.
 EXIT_BARRIER_TIMEOUT = 300.0
 #: A launcher that hosts the store and gives up keeps the store up until every other node
@@ -94,6 +94,7 @@ class Agent:
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = socket.socketpair()
         self.log_root: str | None = None
+        self.copies: dict[tuple[int, str], LineCopy] = {}  # (attempt, stream) -> filtered_*.log
 
     # -- signals -------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -106,7 +107,7 @@ class Agent:
             raise _Interrupted(signum)
 
     def _install_signals(self) -> dict:
-        old = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS}
+        old = {s: signal.signal(s, self._on_signal) for s in self.cfg.signals}
         self.wake_w.setblocking(False)
         self.wake_r.setblocking(False)
         old["wakeup"] = signal.set_wakeup_fd(self.wake_w.fileno(), warn_on_full_buffer=False)
@@ -129,6 +130,7 @@ class Agent:
         finally:
             self.raise_on_signal = False
             self._stop_workers(signal.SIGKILL, 0)
+            self._close_copies()
             if self.store is not None:
                 self.store.close()
             self.sel.close()
@@ -225,12 +227,16 @@ class Agent:
             env[auth.ENV_VAR] = self.auth_token
         if self.cfg.nproc > 1:  # workers share the node's cores (torchrun's rule)
             env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.virtual_local_rank:
+            env["LOCAL_RANK"] = "0"
+        if cfg.local_addr:
+            env.setdefault(HOST_VAR, cfg.local_addr)  # the address the workers publish
         return env
 
-    def _log_file(self, local_rank: int, name: str, bits: int, want: int):
-        if not bits & want:
-            return None
-        if self.log_root is None:  # a new directory for each run (and node), as torchrun's
+    def _log_path(self, *parts: str) -> str:
+        """A path in this attempt's log directory (made on first use: a new directory for
+        each run and node, as torchrun's), its directories made."""
+        if self.log_root is None:
             if self.cfg.log_dir:
                 os.makedirs(self.cfg.log_dir, exist_ok=True)
                 base = tempfile.mkdtemp(prefix=f"{self.cfg.rdzv_id}_", dir=self.cfg.log_dir)
@@ -238,9 +244,29 @@ class Agent:
                 base = tempfile.mkdtemp(prefix="distcomm-run-")
             self.log_root = base
             _say(f"worker logs in {base}")
-        path = os.path.join(self.log_root, f"attempt_{self.attempt}", str(local_rank))
-        os.makedirs(path, exist_ok=True)
-        return open(os.path.join(path, f"{name}.log"), "ab")
+        path = os.path.join(self.log_root, f"attempt_{self.attempt}", *parts)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
+
+    def _log_file(self, local_rank: int, name: str, bits: int, want: int):
+        if not bits & want:
+            return None
+        return open(self._log_path(str(local_rank), f"{name}.log"), "ab")
+
+    def _duplicates(self, index: int, name: str) -> LineCopy | None:
+        """This attempt's ``filtered_<name>.log`` (shared by the node's workers), or None."""
+        needles = self.cfg.duplicate_filters[index]
+        if not needles:
+            return None
+        key = (self.attempt, name)
+        if key not in self.copies:
+            self.copies[key] = LineCopy(open(self._log_path(f"filtered_{name}.log"), "ab"), needles)
+        return self.copies[key]
+
+    def _close_copies(self) -> None:
+        for copy in self.copies.values():
+            copy.close()
+        self.copies.clear()
 
     def _sinks(self, local_rank: int, rank: int) -> tuple[StreamSink, StreamSink]:
         cfg = self.cfg
@@ -251,14 +277,16 @@ class Agent:
         shown = cfg.ranks_filter is None or local_rank in cfg.ranks_filter
         prefix = f"[rank{rank}]:".encode() if cfg.prefix else b""
         sinks = []
-        for name, bit, console in (("stdout", 1, sys.stdout), ("stderr", 2, sys.stderr)):
+        for i, (name, bit, console) in enumerate((("stdout", 1, sys.stdout), ("stderr", 2, sys.stderr))):
             log = self._log_file(local_rank, name, tee | red, bit)
             to_console = shown and not (red & bit)
-            sinks.append(StreamSink(prefix, console.buffer if to_console else None, log))
+            sinks.append(StreamSink(prefix, console.buffer if to_console else None, log,
+                                    self._duplicates(i, name), rank))
         return sinks[0], sinks[1]
 
     def _start_workers(self, m: Membership) -> None:
         self.workers = []
+        self._close_copies()  # (the last attempt's workers are gone)
         for local_rank in range(self.cfg.nproc):
             spec = WorkerSpec(local_rank, m.rank_offset + local_rank, self.cfg.argv,
                               self._worker_env(m, local_rank))

@@ -13,6 +13,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +26,12 @@ DEFAULT_MASTER_PORT = 29500
 #: torchrun's defaults for --rdzv-conf keys (seconds).
 DEFAULT_JOIN_TIMEOUT = 600.0
 DEFAULT_LAST_CALL = 30.0
+
+
+#: The signals the launcher forwards to its workers (then stops), as torchrun's default.
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: --shutdown-timeout's default comes from here, else 30 s (as torchrun's).
+SHUTDOWN_TIMEOUT_VAR = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
 class UsageError(Exception):
@@ -46,7 +53,7 @@ class RunConfig:
     max_restarts: int = 0
     on_worker_failure: str = "stop"  # or "continue"
     monitor_interval: float = 0.1
-    shutdown_timeout: float = 5.0
+    shutdown_timeout: float = 30.0
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
     last_call: float = DEFAULT_LAST_CALL
     role: str = "default"
@@ -55,6 +62,11 @@ class RunConfig:
     tee: dict = field(default_factory=dict)
     redirects: dict = field(default_factory=dict)
     ranks_filter: set[int] | None = None
+    signals: tuple[int, ...] = DEFAULT_SIGNALS
+    local_addr: str | None = None  # the address workers publish (DISTCOMM_HOSTNAME)
+    virtual_local_rank: bool = False  # LOCAL_RANK=0 for every worker
+    #: lines of each stream (stdout, stderr) containing one of these go to filtered_*.log too
+    duplicate_filters: tuple[list[str], list[str]] = ([], [])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,8 +99,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "allows); continue: the others go on (for programs that shrink_group around it), "
          "and the launcher exits 0 if they all finish with 0")
     flag("monitor-interval", type=float, default=0.1, help="seconds between health checks")
-    flag("shutdown-timeout", type=float, default=5.0,
-         help="seconds between SIGTERM and SIGKILL when stopping workers")
+    flag("shutdown-timeout", type=float, default=None,
+         help=f"seconds between SIGTERM and SIGKILL when stopping workers (default: "
+         f"${SHUTDOWN_TIMEOUT_VAR}, else 30)")
+    flag("signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", metavar="SIG,...",
+         help="signals forwarded to the workers, which are then stopped (e.g. add SIGUSR1 "
+         "for Slurm's warning before the time limit)")
+    flag("local-addr", default=None,
+         help="address of this node that other nodes' workers connect to (default: the one "
+         "that routes to the store)")
+    flag("virtual-local-rank", action="store_true", help="LOCAL_RANK=0 for every worker")
+    flag("duplicate-stdout-filters", default="", metavar="A,B",
+         help="also write stdout lines containing A or B to filtered_stdout.log in the run's "
+         "log directory (',,' is a comma)")
+    flag("duplicate-stderr-filters", default="", metavar="A,B",
+         help="likewise for stderr (filtered_stderr.log)")
+    flag("logs-specs", default=None, help=argparse.SUPPRESS)  # torchrun plugins: refused clearly
+    flag("numa-binding", default=None, help=argparse.SUPPRESS)
+    flag("event-log-handler", default="null", help=argparse.SUPPRESS)
     flag("role", default="default", help="name of the workers' role (ROLE_NAME)")
     flag("log-dir", default=None, help="directory for per-worker log files")
     p.add_argument("-r", "--redirects", default="", help="to log files only: 0-3 or 0:1,1:2")
@@ -222,9 +250,12 @@ def to_config(args: argparse.Namespace) -> RunConfig:
     for name in ("max_restarts",):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("monitor_interval", "shutdown_timeout"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    shutdown = _shutdown_timeout(args.shutdown_timeout)
+    if not args.monitor_interval > 0:
+        raise UsageError("--monitor-interval must be > 0")
+    _refuse_plugins(args)
+    if args.local_addr is not None:
+        _resolve(args.local_addr, "--local-addr")
     if args.on_worker_failure == "continue" and args.max_restarts:
         raise UsageError("--on-worker-failure continue keeps the others running, so there is nothing "
                          "to restart: drop --max-restarts")
@@ -272,12 +303,66 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         rdzv_id=args.rdzv_id or "default",
         max_restarts=args.max_restarts, on_worker_failure=args.on_worker_failure,
         monitor_interval=args.monitor_interval,
-        shutdown_timeout=args.shutdown_timeout,
+        shutdown_timeout=shutdown, signals=_signals(args.signals_to_handle),
+        local_addr=args.local_addr, virtual_local_rank=args.virtual_local_rank,
+        duplicate_filters=(_filters(args.duplicate_stdout_filters),
+                           _filters(args.duplicate_stderr_filters)),
         join_timeout=conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT),
         last_call=conf.get("last_call_timeout", DEFAULT_LAST_CALL),
         role=args.role, prefix=args.rank_prefix, log_dir=args.log_dir,
         tee=tee, redirects=redirects, ranks_filter=ranks_filter,
     )
+
+
+def _shutdown_timeout(value: float | None) -> float:
+    where = "--shutdown-timeout"
+    if value is None:
+        text = os.environ.get(SHUTDOWN_TIMEOUT_VAR)
+        if not text:
+            return 30.0
+        where = f"${SHUTDOWN_TIMEOUT_VAR}"
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(f"{where}={text!r}: expected seconds") from None
+    if not value > 0:
+        raise UsageError(f"{where} must be > 0, got {value:g}")
+    return value
+
+
+def _signals(text: str) -> tuple[int, ...]:
+    """``SIGTERM,USR1,10``: signal numbers; the uncatchable ones are refused."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name = part.upper() if part.upper().startswith("SIG") else "SIG" + part.upper()
+        try:
+            sig = signal.Signals(int(part)) if part.isdigit() else signal.Signals[name]
+        except (KeyError, ValueError):
+            raise UsageError(f"--signals-to-handle: {part!r} is not a signal (expected names "
+                             "such as SIGTERM,SIGUSR1, or numbers)") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise UsageError(f"--signals-to-handle: {sig.name} cannot be handled and forwarded")
+        out.append(int(sig))
+    return tuple(dict.fromkeys(out))
+
+
+def _filters(text: str) -> list[str]:
+    """torchrun's ``--duplicate-*-filters``: comma-separated, ``,,`` a literal comma."""
+    parts = text.replace(",,", "\0").split(",")
+    return [p.replace("\0", ",") for p in parts if p]
+
+
+def _refuse_plugins(args: argparse.Namespace) -> None:
+    """torchrun flags for its own plugins and GPUs: a clear error instead of argparse's."""
+    if args.logs_specs is not None:
+        raise UsageError(f"--logs-specs {args.logs_specs!r} names a torchrun logging plugin; distcomm "
+                         "run has none: use --log-dir, -r/--redirects, -t/--tee, --local-ranks-filter")
+    if args.numa_binding is not None:
+        raise UsageError(f"--numa-binding {args.numa_binding!r} binds workers to CPUs near their "
+                         "GPUs; distcomm run does not bind workers")
+    if args.event_log_handler not in ("null", ""):
+        raise UsageError(f"--event-log-handler {args.event_log_handler!r}: distcomm run records no "
+                         "torchelastic events; its own reports go to stderr")
 
 
 def _is_local(host: str) -> bool:

@@ -17,7 +17,7 @@ import collections
 import time
 from typing import BinaryIO
 
-__all__ = ["StreamSink", "parse_std_spec"]
+__all__ = ["LineCopy", "StreamSink", "parse_std_spec"]
 
 #: Lines of a worker's stderr kept for the failure report.
 TAIL_LINES = 15
@@ -27,13 +27,34 @@ MAX_LINE = 64 * 1024
 PARTIAL_DELAY = 0.2
 
 
+class LineCopy:
+    """A file that gets the lines (of every worker's stream) containing one of ``needles``,
+    each as ``[rankN]:line`` (torchrun's ``--duplicate-*-filters``)."""
+
+    def __init__(self, file: BinaryIO, needles: list[str]) -> None:
+        self.file = file
+        self.needles = [n.encode() for n in needles]
+
+    def take(self, rank: int, lines: list[bytes]) -> None:
+        hits = [line for line in lines if any(n in line for n in self.needles)]
+        if hits and not self.file.closed:
+            self.file.write(b"".join(b"[rank%d]:%s\n" % (rank, line) for line in hits))
+            self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class StreamSink:
     """Where one stream of one worker goes."""
 
-    def __init__(self, prefix: bytes, console: BinaryIO | None, log: BinaryIO | None) -> None:
+    def __init__(self, prefix: bytes, console: BinaryIO | None, log: BinaryIO | None,
+                 copy: LineCopy | None = None, rank: int = 0) -> None:
         self.prefix = prefix
         self.console = console
         self.log = log
+        self.copy = copy
+        self.rank = rank
         self.partial = b""
         self.shown = 0  # bytes of ``partial`` already on the console (prefixed: see show_partial)
         self.partial_since = 0.0  # when ``partial`` last grew with nothing shown of it (monotonic)
@@ -54,6 +75,8 @@ class StreamSink:
             self.partial = b""
         if lines:
             self.tail.extend(lines)
+            if self.copy is not None:
+                self.copy.take(self.rank, lines)
             if self.prefix:
                 shown, self.shown = self.shown, 0
                 first = lines[0][shown:] + b"\n" if shown else self.prefix + lines[0] + b"\n"
@@ -77,6 +100,8 @@ class StreamSink:
         """Flush a last unterminated line (ended, when prefixed) and close the log file."""
         if self.partial:
             self.tail.append(self.partial)
+            if self.copy is not None:
+                self.copy.take(self.rank, [self.partial])
             if self.prefix:
                 self._write((self.partial[self.shown :] if self.shown else self.prefix + self.partial) + b"\n")
             self.partial = b""
