@@ -317,7 +317,10 @@ def test_backend_strings_torch_accepts():
     for name in ("gloo", "cpu:gloo,cuda:nccl", "GLOO"):
         dist.init_process_group(name, init_method=url(free_port()), rank=0, world_size=1, timeout=30)
         try:
-            assert dist.get_backend() == "auto"
+            assert dist.get_backend() == "gloo"  # the name asked for, as torch says (it runs auto)
+            assert type(dist.GroupMember.WORLD).__name__ == "ShmProcessGroup"
+            assert dist.get_backend(dist.new_group([0])) == "gloo"
+            assert dist.get_backend(dist.new_group([0], backend="tcp")) == "tcp"
             t = np.ones(2)
             dist.all_reduce(t)
         finally:

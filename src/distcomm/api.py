@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from .backend_registry import Backend, resolve_backend
+from .backend_registry import Backend, backend_label, resolve_backend
 from .deadline import Timeout, to_seconds
 from .debug import hooks as _debug
 from .errors import DistBackendError, DistInputError, DistNotInitializedError, DistTypeError
@@ -246,7 +246,8 @@ def init_process_group(
         _generation += 1
         gen = _generation
         prefixed = PrefixStore(f"distcomm/{gen}/default_pg", store)
-        world = _World(gen, prefixed, rank, world_size, name, store)
+        label = backend_label(backend, DEFAULT_BACKEND)  # "gloo" stays "gloo" for get_backend()
+        world = _World(gen, prefixed, rank, world_size, label, store)
         if owns_store:
             world.owned_store = store
             world.resources.append(store)
@@ -256,6 +257,7 @@ def init_process_group(
             _close_all(world.resources)
             raise
         pg.group_name = group_name or f"{world.tag}:default"
+        pg.backend_name = label
         world.default = pg
         world.groups[pg.group_name] = pg
         GroupMember.WORLD = pg
@@ -495,6 +497,7 @@ def new_group(
     started = time.monotonic()
     pg = factory.subgroup(world.default, store, members, members.index(world.rank), name, seconds)
     pg.group_name = name
+    pg.backend_name = backend_label(backend, world.backend)
     pg.ranks = members
     with world.lock:
         world.groups[name] = pg

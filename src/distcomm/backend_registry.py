@@ -121,15 +121,29 @@ class Backend(str):
         return sorted(set(cls._factories) | set(cls._aliases))
 
 
-def resolve_backend(name: str | None, default: str) -> tuple[str, BackendFactory]:
-    """The backend's canonical name and factory; a clear error for unknown ones."""
-    _load_builtin_backends()
+def backend_label(name: str | None, default: str) -> str:
+    """What ``get_backend()`` says for a group made with backend ``name``: the name asked
+    for, an alias (``"gloo"``) included, as torch says; the default's name for None.
+    (Call after :func:`resolve_backend` accepted ``name``.)"""
+    return _asked(name, default)
+
+
+def _asked(name: str | None, default: str) -> Backend:
+    """``name`` (``default`` for None) lower-cased, torch's per-device form reduced to its
+    CPU entry."""
     key = Backend(default if name is None else name)
     if ":" in key:  # torch's "cpu:gloo,cuda:nccl" form: take the CPU entry
         parts = dict(p.split(":", 1) for p in key.split(",") if ":" in p)
         if "cpu" not in parts:
             raise DistInputError(f"backend {name!r} names no CPU backend; distcomm runs on the CPU")
         key = Backend(parts["cpu"])
+    return key
+
+
+def resolve_backend(name: str | None, default: str) -> tuple[str, BackendFactory]:
+    """The backend's canonical name and factory; a clear error for unknown ones."""
+    _load_builtin_backends()
+    key = _asked(name, default)
     key = Backend(Backend._aliases.get(key, key))
     if key not in Backend._factories and key in _ON_DEMAND:
         importlib.import_module(_ON_DEMAND[key])

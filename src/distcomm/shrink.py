@@ -133,6 +133,7 @@ def _shrink_world(world: Any, remaining: list[int]) -> ProcessGroup:
         api._close_all(new.resources[::-1])  # the old world stays as it was
         raise
     pg.group_name = f"{tag}:default"
+    pg.backend_name = world.backend  # the name it was made with ("gloo" stays "gloo")
     if world.owned_store is not None:
         new.owned_store = world.owned_store
         new.resources.insert(0, world.owned_store)
