@@ -363,7 +363,8 @@ def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
         a = np.ones(1)
         dist.all_reduce(a)
         n = dist.get_world_size()
-        open(os.path.join(sys.argv[1], f"world{n}_rank{dist.get_rank()}_sum{a[0]:g}"), "w").close()
+        with open(os.path.join(sys.argv[1], f"world{n}_rank{dist.get_rank()}_sum{a[0]:g}"), "w") as f:
+            f.write(str(os.getppid()))  # its launcher
         if n < 4:
             time.sleep(60)  # until the second node joins and the launcher restarts us
         dist.destroy_process_group()
@@ -381,8 +382,9 @@ def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
         with subprocess.Popen(cmd, **opts) as second:
             results = [p.communicate(timeout=60) for p in (first, second)]
     assert (first.returncode, second.returncode) == (0, 0), results
-    for r in range(4):
-        assert (tmp_path / f"world4_rank{r}_sum4").exists()
+    launchers = [int((tmp_path / f"world4_rank{r}_sum4").read_text()) for r in range(4)]
+    # the first node's workers keep ranks 0 and 1 (it was there first), whoever rejoined first
+    assert launchers == [first.pid, first.pid, second.pid, second.pid], launchers
     assert "membership changed" in results[0][1]
 
 

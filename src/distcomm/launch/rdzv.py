@@ -6,7 +6,11 @@ launcher on the ``--rdzv-endpoint`` host).  Keys live under
 
 * ``round``: the number of the current round (a generation of workers).
 * ``r<R>/count``: arrivals in round R; the arrival order is the join index.
-* ``r<R>/node<i>``: what joiner ``i`` brings (JSON: host, nproc, --nnodes, node rank).
+* ``r<R>/node<i>``: what joiner ``i`` brings (JSON: host, nproc, --nnodes, node rank, and
+  the round and node rank it last had).  With ``--node-rank`` the node ranks are
+  those; elastic, the nodes of the latest round keep their order (a restart or a
+  new node does not move the ranks of the workers already there), then nodes of
+  older rounds, then newcomers in order of arrival.
 * ``r<R>/closed``: set once, to the number of members, by whoever closes the
   round: when ``max`` nodes joined, or ``min`` did and no one else arrived
   within the last-call time.  Joiners at index >= that number were late and
@@ -228,7 +232,9 @@ class NodeRendezvous:
     def _membership(self, rnd: int, index: int, n: int) -> Membership:
         nodes = self._nodes(rnd, 0, n)
         order = list(range(n))
-        if self.static:
+        if not self.static:  # the nodes of the latest round keep their order, newcomers follow
+            order.sort(key=lambda i: _seniority(nodes[i], i))
+        else:
             ranks = [node["node_rank"] for node in nodes]
             if sorted(ranks) != list(range(n)):
                 raise RendezvousFailed(
@@ -237,6 +243,7 @@ class NodeRendezvous:
                 )
             order.sort(key=lambda i: ranks[i])
         group_rank = order.index(index)
+        self.info["prev"] = (rnd, group_rank)  # (what the next round this node joins sees)
         sizes = [nodes[i]["nproc"] for i in order]
         return Membership(
             round=rnd,
@@ -247,3 +254,10 @@ class NodeRendezvous:
             world_size=sum(sizes),
             hosts=tuple(nodes[i]["host"] for i in order),
         )
+
+
+def _seniority(node: dict, index: int) -> tuple[int, int, int, int]:
+    """Elastic order of joiner ``index``: the nodes of the latest round first, in their order
+    there, then nodes of older rounds, then newcomers in order of arrival."""
+    prev = node.get("prev")  # [round, node rank] it last had
+    return (1, 0, 0, index) if prev is None else (0, -prev[0], prev[1], index)
