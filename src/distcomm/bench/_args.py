@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -19,8 +20,8 @@ def positive(kind: type) -> Callable[[str], Any]:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        if not v > 0 or not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
         return v
 
     return parse
@@ -32,9 +33,33 @@ def add_positive(parser: argparse.ArgumentParser, *flags: str, kind: type, defau
     parser.add_argument(*flags, type=positive(kind), default=default, help=f"{help} (default: {shown})")
 
 
+def output_problem(path: str) -> str | None:
+    """Why a file cannot be written at ``path`` (checked before a benchmark runs), or None."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return f"{path} is a directory; expected a file name"
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
+        return f"{path} cannot be written (permission denied)"
+    if parent == "/proc" or parent.startswith(("/proc/", "/sys/")):
+        return f"{path} cannot be written (not a regular file system)"
+    return None
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a path a result file can be written to (see :func:`output_problem`)."""
+    problem = output_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def add_json_option(parser: argparse.ArgumentParser) -> None:
-    """``--json PATH``: where :func:`emit` also writes the numbers."""
-    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    """``--json PATH``: where :func:`emit` also writes the numbers (checked up front)."""
+    parser.add_argument("--json", metavar="PATH", type=output_file,
+                        help="also write every number to this JSON file")
 
 
 def host_facts() -> dict[str, Any]:
