@@ -407,6 +407,10 @@ def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
         (["--master-port", "70000", "p.py"], "--master-port 70000"),
         (["--on-worker-failure", "continue", "--max-restarts", "1", "p.py"], "drop --max-restarts"),
         (["--on-worker-failure", "ignore", "p.py"], "invalid choice: 'ignore'"),
+        (["--log-dir", "p.py", "p.py"], "--log-dir 'p.py' is a file; expected a directory"),
+        (["--log-dir", "/proc/logs", "p.py"], "--log-dir '/proc/logs' cannot be used"),
+        (["--rdzv-conf", "join_timeout=-1", "p.py"], "'join_timeout=-1': expected seconds > 0"),
+        (["--rdzv-conf", "last_call_timeout=nan", "p.py"], "expected seconds >= 0"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):

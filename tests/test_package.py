@@ -94,6 +94,28 @@ def test_store_command_rejects_a_bad_port():
     assert out.returncode == 2 and "--port must be in [0, 65535]" in out.stderr
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--version"], f"distcomm {distcomm.__version__}"),
+    (["info", "--bogus"], "distcomm info: error: unrecognized arguments: --bogus"),
+    (["store", "--log-level", "bogus"], "argument --log-level: invalid choice: 'BOGUS'"),
+    (["store", "--host", ""], "distcomm store: --host must name an address"),
+    (["lighthouse", "--bind", "127.0.0.1"], "argument --bind: '127.0.0.1': expected HOST:PORT"),
+    (["lighthouse", "--bind", "127.0.0.1:70000"], "expected HOST:PORT"),
+    (["lighthouse", "--heartbeat-timeout", "nan"], "--heartbeat-timeout > 0"),
+])
+def test_commands_answer_bad_input_in_one_line(capsys, argv, says):
+    from distcomm.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    out = capsys.readouterr()
+    text = (out.out + out.err).strip().splitlines()
+    assert code == (0 if argv == ["--version"] else 2)
+    assert says in text[-1] and "Traceback" not in out.err
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)\n```", readme, re.S)

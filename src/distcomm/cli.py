@@ -28,20 +28,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distcomm", description="Collective communication for Python processes."
     )
+    parser.add_argument("--version", action="version", version=f"distcomm {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         if command is None or command == name:
             importlib.import_module(module).add_arguments(p)
     return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distcomm`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
-    args = build_parser(command).parse_args(argv)
+    args, extra = build_parser(command).parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, with its usage (argparse says the top one's)
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)

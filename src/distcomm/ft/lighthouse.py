@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -504,8 +505,17 @@ refresh();setInterval(refresh,500);
 
 
 # -- command line ------------------------------------------------------------------------------
+def _bind_address(text: str) -> str:
+    """An argparse type: ``HOST:PORT`` (``[v6]:PORT`` too) with a port in [0, 65535]."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HOST:PORT, e.g. 0.0.0.0:29510 (port 0-65535)")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bind", default="0.0.0.0:29510", help="host:port to listen on (default %(default)s)")
+    parser.add_argument("--bind", default="0.0.0.0:29510", type=_bind_address,
+                        help="host:port to listen on (default %(default)s)")
     parser.add_argument("--min-replicas", type=int, default=1,
                         help="fewest replicas a quorum may have (default %(default)s)")
     parser.add_argument("--join-timeout", type=float, default=1.0,
@@ -515,7 +525,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.min_replicas < 1 or args.join_timeout < 0 or args.heartbeat_timeout <= 0:
+    if not (args.min_replicas >= 1 and 0 <= args.join_timeout < math.inf
+            and 0 < args.heartbeat_timeout < math.inf):
         print("distcomm lighthouse: --min-replicas must be >= 1, --join-timeout >= 0, "
               "--heartbeat-timeout > 0", file=sys.stderr)
         return 2

@@ -59,6 +59,13 @@ class LaunchError(Exception):
     """A failure before any worker ran; the message is one line."""
 
 
+def _open_log(path: str):
+    try:
+        return open(path, "ab")
+    except OSError as e:
+        raise LaunchError(f"cannot write the worker log {path}: {e.strerror or e}") from None
+
+
 class _Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -236,22 +243,25 @@ class Agent:
     def _log_path(self, *parts: str) -> str:
         """A path in this attempt's log directory (made on first use: a new directory for
         each run and node, as torchrun's), its directories made."""
-        if self.log_root is None:
-            if self.cfg.log_dir:
-                os.makedirs(self.cfg.log_dir, exist_ok=True)
-                base = tempfile.mkdtemp(prefix=f"{self.cfg.rdzv_id}_", dir=self.cfg.log_dir)
-            else:
-                base = tempfile.mkdtemp(prefix="distcomm-run-")
-            self.log_root = base
-            _say(f"worker logs in {base}")
-        path = os.path.join(self.log_root, f"attempt_{self.attempt}", *parts)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            if self.log_root is None:
+                if self.cfg.log_dir:
+                    os.makedirs(self.cfg.log_dir, exist_ok=True)
+                    base = tempfile.mkdtemp(prefix=f"{self.cfg.rdzv_id}_", dir=self.cfg.log_dir)
+                else:
+                    base = tempfile.mkdtemp(prefix="distcomm-run-")
+                self.log_root = base
+                _say(f"worker logs in {base}")
+            path = os.path.join(self.log_root, f"attempt_{self.attempt}", *parts)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise LaunchError(f"cannot make the worker log directory: {e}") from None
         return path
 
     def _log_file(self, local_rank: int, name: str, bits: int, want: int):
         if not bits & want:
             return None
-        return open(self._log_path(str(local_rank), f"{name}.log"), "ab")
+        return _open_log(self._log_path(str(local_rank), f"{name}.log"))
 
     def _duplicates(self, index: int, name: str) -> LineCopy | None:
         """This attempt's ``filtered_<name>.log`` (shared by the node's workers), or None."""
@@ -260,7 +270,7 @@ class Agent:
             return None
         key = (self.attempt, name)
         if key not in self.copies:
-            self.copies[key] = LineCopy(open(self._log_path(f"filtered_{name}.log"), "ab"), needles)
+            self.copies[key] = LineCopy(_open_log(self._log_path(f"filtered_{name}.log")), needles)
         return self.copies[key]
 
     def _close_copies(self) -> None:

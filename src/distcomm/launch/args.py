@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
+import math
 import os
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 from .output import parse_std_spec
@@ -185,10 +187,29 @@ def _conf(text: str) -> dict[str, float]:
             raise UsageError(f"--rdzv-conf {item!r}: expected join_timeout=S or last_call_timeout=S")
         if key in ("join_timeout", "last_call_timeout"):
             try:
-                out[key] = float(value)
+                seconds = float(value)
             except ValueError:
                 raise UsageError(f"--rdzv-conf {item!r}: {value!r} is not a number") from None
+            least = 0 if key == "last_call_timeout" else 1e-9
+            if not (math.isfinite(seconds) and seconds >= least):
+                raise UsageError(f"--rdzv-conf {item!r}: expected seconds "
+                                 f"{'>= 0' if least == 0 else '> 0'}")
+            out[key] = seconds
     return out
+
+
+def _log_dir(path: str | None) -> None:
+    """Make ``--log-dir`` (the runs' directories go inside) or say in one line why not."""
+    if not path:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--log-dir {path!r} is a file; expected a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = tempfile.mkdtemp(prefix=".probe", dir=path)  # (/proc and read-only mounts)
+        os.rmdir(probe)
+    except OSError as e:
+        raise UsageError(f"--log-dir {path!r} cannot be used: {e.strerror or e}") from None
 
 
 def _resolve(host: str, flag: str) -> None:
@@ -254,6 +275,7 @@ def to_config(args: argparse.Namespace) -> RunConfig:
     if not args.monitor_interval > 0:
         raise UsageError("--monitor-interval must be > 0")
     _refuse_plugins(args)
+    _log_dir(args.log_dir)
     if args.local_addr is not None:
         _resolve(args.local_addr, "--local-addr")
     if args.on_worker_failure == "continue" and args.max_restarts:

@@ -16,17 +16,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     parser.add_argument("--port", type=int, default=29500, help="port (0 picks a free one)")
     parser.add_argument(
-        "--log-level", default="WARNING", help="logging level of the server (default: WARNING)"
+        "--log-level", default="WARNING", type=str.upper, choices=LEVELS,
+        help="logging level of the server (default: WARNING)",
     )
+
+
+#: The --log-level values (logging's names).
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
     if not 0 <= args.port <= 65535:
         print(f"distcomm store: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
+    if not args.host:
+        print("distcomm store: --host must name an address (0.0.0.0: every IPv4 one)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         server = StoreServer(args.host, args.port)
     except (OSError, DistError) as e:
