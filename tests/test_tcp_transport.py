@@ -381,6 +381,15 @@ def test_the_matcher_fails_a_receive_whose_peer_sent_for_another_collective_of_t
     assert m.post(gather) == (None, None) and gather.done()
     assert str(gather.error).startswith("rank 2 called broadcast where this rank called gather")
 
+    # the same collective with another root
+    rooted = recv(collective_tag(coded_seq(11, bc, root=0), 0))
+    m.post(rooted)
+    m.keep_early(1, 7, collective_tag(coded_seq(11, bc, root=0), 5), b"x" * 8)  # same root: fine
+    assert not rooted.done()
+    m.keep_early(1, 7, collective_tag(coded_seq(11, bc, root=1), 0), b"x" * 8)
+    assert str(rooted.error).startswith("rank 1 called broadcast with root 1 where this rank called it "
+                                        "with root 0")
+
     # a receive waiting two ticks is told to its peer, then every `every` ticks
     m = Matcher()
     waiting = recv(collective_tag(coded_seq(9, ar), 0))

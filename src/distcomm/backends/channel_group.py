@@ -72,14 +72,14 @@ class ChannelAlgorithms:
         algo.barrier(self.channel, coded_seq(seq, _BARRIER), deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
-        algo.broadcast(self.channel, arr, root, coded_seq(seq, _BROADCAST), deadline)
+        algo.broadcast(self.channel, arr, root, coded_seq(seq, _BROADCAST, root), deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
         algo.allreduce(self.channel, arr, combine, coded_seq(seq, _ALLREDUCE), deadline,
                        scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        algo.reduce(self.channel, arr, combine, root, coded_seq(seq, _REDUCE), deadline,
+        algo.reduce(self.channel, arr, combine, root, coded_seq(seq, _REDUCE, root), deadline,
                     scratch=self._scratch)
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
@@ -87,11 +87,11 @@ class ChannelAlgorithms:
 
     def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
                deadline: Deadline) -> None:
-        algo.gather(self.channel, send, out, root, coded_seq(seq, _GATHER), deadline)
+        algo.gather(self.channel, send, out, root, coded_seq(seq, _GATHER, root), deadline)
 
     def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
                 deadline: Deadline) -> None:
-        algo.scatter(self.channel, buf, out, root, coded_seq(seq, _SCATTER), deadline)
+        algo.scatter(self.channel, buf, out, root, coded_seq(seq, _SCATTER, root), deadline)
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Any, seq: int,
                        deadline: Deadline) -> None:

@@ -31,7 +31,7 @@ from ..errors import DistBackendError, DistInputError, DistTypeError
 __all__ = [
     "Channel", "Request", "collective_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
     "EAGER_STEP", "is_eager", "orphaned_error", "COLLECTIVE_CODES", "COLLECTIVE_NAMES", "coded_seq",
-    "tag_code", "clashes", "clash_text",
+    "tag_code", "clashes", "clash_text", "tag_clash_text",
 ]
 
 _COLLECTIVE = 1 << 62
@@ -46,42 +46,61 @@ _EAGER_MASK = _COLLECTIVE | EAGER_STEP
 
 
 #: The collectives' codes.  Over a channel, a collective's sequence number carries its code
-#: (:func:`coded_seq`), so ranks whose calls differ at the same point of the program find
-#: out from the first message of the other kind (:func:`clashes`); the shared-memory
-#: collectives write the same codes into their slot headers.  Codes fit in 4 bits.
+#: and its root (:func:`coded_seq`), so ranks whose calls differ at the same point of the
+#: program find out from the first message of the other kind (:func:`clashes`); the
+#: shared-memory collectives write the same codes into their slot headers.  4 bits.
 COLLECTIVE_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "gather": 5,
                     "scatter": 6, "reduce_scatter": 7, "all_to_all": 8, "barrier": 9}
 COLLECTIVE_NAMES = {code: name for name, code in COLLECTIVE_CODES.items()}
-#: Where a sequence number keeps its code (sequence numbers this large wrap into it; the
-#: bits above are the debug checks' own sequence spaces, kept as they are).
-_CODE_SHIFT = 32
-_CODE_MASK = 0xF << _CODE_SHIFT
-_TAG_CODE_SHIFT = _SEQ_SHIFT + _CODE_SHIFT
-#: The bits of a collective's tag that name its call (flag and sequence number, code excepted).
-_CALL_MASK = (_COLLECTIVE | ((1 << 38) - 1) << _SEQ_SHIFT) & ~(0xF << _TAG_CODE_SHIFT)
+#: A coded sequence number: bits 0-23 the call's number (modulo 2**24: the calls in flight
+#: at once are few), 24-31 its root (1 + root % 255; 0: none), 32-35 its code; the bits
+#: above are the debug checks' own sequence spaces, kept as they are.
+_ROOT_SHIFT, _CODE_SHIFT = 24, 32
+_CALL_FIELDS = 0xFFF << _ROOT_SHIFT
+#: The bits of a collective's tag that name its call (flag and number; not code, root, step).
+_CALL_MASK = (_COLLECTIVE | ((1 << 38) - 1) << _SEQ_SHIFT) & ~(_CALL_FIELDS << _SEQ_SHIFT)
 
 
-def coded_seq(seq: int, code: int) -> int:
-    """``seq`` carrying the code of the collective it numbers (for :func:`collective_tag`)."""
-    return seq & ~_CODE_MASK | code << _CODE_SHIFT
+def coded_seq(seq: int, code: int, root: int | None = None) -> int:
+    """``seq`` carrying the code of the collective it numbers and its root (for
+    :func:`collective_tag`)."""
+    mark = 0 if root is None else 1 + root % 255
+    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | mark << _ROOT_SHIFT
 
 
 def tag_code(tag: int) -> int:
     """The collective code a tag carries (0: none, e.g. a point-to-point tag)."""
-    return tag >> _TAG_CODE_SHIFT & 0xF if tag & _COLLECTIVE else 0
+    return tag >> (_SEQ_SHIFT + _CODE_SHIFT) & 0xF if tag & _COLLECTIVE else 0
+
+
+def _tag_root(tag: int) -> int:
+    return tag >> (_SEQ_SHIFT + _ROOT_SHIFT) & 0xFF
 
 
 def clashes(tag: int, other: int) -> bool:
-    """Whether two coded collective tags belong to the same call of different collectives
-    (one rank's message met another rank's receive: their calls differ)."""
+    """Whether two coded collective tags belong to the same call of different collectives,
+    or of one collective with different roots (one rank's message met another rank's
+    receive: their calls differ)."""
     a, b = tag_code(tag), tag_code(other)
-    return a != b and a != 0 and b != 0 and tag & _CALL_MASK == other & _CALL_MASK
+    return a != 0 and b != 0 and tag & _CALL_MASK == other & _CALL_MASK and (
+        a != b or _tag_root(tag) != _tag_root(other))
 
 
 def clash_text(who: str, theirs: int, mine: int) -> str:
-    """The error of :func:`clashes`: ``who`` sent a message of collective ``theirs``."""
+    """The error of ranks whose calls differ: ``who`` called collective ``theirs`` (a code)
+    where this rank called ``mine``."""
     return (f"{who} called {COLLECTIVE_NAMES.get(theirs, '?')} where this rank called "
             f"{COLLECTIVE_NAMES.get(mine, '?')}: the ranks' calls differ")
+
+
+def tag_clash_text(who: str, theirs: int, mine: int) -> str:
+    """:func:`clash_text` for two tags that :func:`clashes` (another collective, or the same
+    one with another root)."""
+    if tag_code(theirs) != tag_code(mine):
+        return clash_text(who, tag_code(theirs), tag_code(mine))
+    return (f"{who} called {COLLECTIVE_NAMES.get(tag_code(mine), '?')} with root "
+            f"{_tag_root(theirs) - 1} where this rank called it with root {_tag_root(mine) - 1} "
+            "(group ranks, modulo 255): the ranks' calls differ")
 
 
 def is_eager(tag: int) -> bool:
@@ -106,7 +125,7 @@ def p2p_tag(tag: int) -> int:
 def tag_text(tag: int) -> str:
     """A tag as error messages show it (a collective's sequence number and step spelled out)."""
     if tag & _COLLECTIVE:
-        seq = (tag & ~_COLLECTIVE) >> _SEQ_SHIFT & ~_CODE_MASK
+        seq = (tag & ~_COLLECTIVE) >> _SEQ_SHIFT & ~_CALL_FIELDS
         call = COLLECTIVE_NAMES.get(tag_code(tag))
         return f"tag {tag:#x} ({call or 'collective'} seq {seq}, step {tag & MAX_STEP})"
     return f"tag {tag}"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
-from .base import Request, clash_text, clashes, is_eager, tag_code
+from .base import Request, clashes, is_eager, tag_clash_text, tag_code
 
 __all__ = ["EAGER_BYTES", "SENT", "BufferPool", "Matcher", "RecvRequest", "SendRequest", "size_class"]
 
@@ -436,7 +436,7 @@ class BufferPool:
 def _clash_error(req: RecvRequest, peer: int, tag: int) -> DistBackendError:
     group_rank = req.members.get(peer, peer)
     who = f"rank {peer}" if group_rank == peer else f"rank {peer} (group rank {group_rank})"
-    return DistBackendError(clash_text(who, tag_code(tag), tag_code(req.tag)), peer=peer)
+    return DistBackendError(tag_clash_text(who, tag, req.tag), peer=peer)
 
 
 def lost_peer_error(rank: int, what: str, group_rank: int | None = None) -> DistBackendError:
