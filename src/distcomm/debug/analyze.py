@@ -17,15 +17,18 @@ and ``text()`` in plain words, the likely cause first.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["load", "analyze", "Report"]
+__all__ = ["load", "analyze", "Report", "MAX_WORLD_SIZE"]
 
+#: Larger world sizes (and ranks beyond them) are taken for a corrupt dump.
+MAX_WORLD_SIZE = 2**20
+_MAX_TIME = 1e11  # seconds since the epoch (the year 5138): later times are corrupt
 _PENDING = ("scheduled", "started")
 _COMPARED = ("op", "shape", "dtype", "root", "reduce_op", "send_counts", "recv_counts")
 
@@ -72,23 +75,94 @@ def _ranks(ranks: list[int] | set[int]) -> str:
 
 
 def load(directory: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """Every readable dump in ``directory`` by global rank, and what could not be read."""
+    """Every readable dump (``*.json``) in ``directory`` by global rank, and what could not be read
+    (a file that is not JSON, or not a dump the analysis can use: see :func:`_checked`)."""
     dumps: dict[int, dict[str, Any]] = {}
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith("."))
+    except OSError as e:
+        return dumps, [f"cannot list {directory}: {e.strerror or e}"]
     errors: list[str] = []
-    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+    for name in names:
         try:
-            with open(path) as f:
-                d = json.load(f)
-            rank = d["rank"]
-            if not isinstance(rank, int):
-                raise ValueError("the dump has no rank (written before init_process_group?)")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            errors.append(f"cannot read {os.path.basename(path)}: {e}")
+            with open(os.path.join(directory, name)) as f:
+                d = _checked(json.load(f))
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad dump, bad UTF-8
+            errors.append(f"cannot read {name}: {e}")
             continue
-        if rank in dumps and dumps[rank].get("time", 0) > d.get("time", 0):
+        rank = d["rank"]
+        if rank in dumps and (dumps[rank].get("time") or 0) > (d.get("time") or 0):
             continue
         dumps[rank] = d
     return dumps, errors
+
+
+# -- what a dump must look like (see flight_recorder.snapshot) -----------------------------------
+
+_Check = tuple[Callable[[Any], bool], str]  # (test of a value that is not null, what the value should be)
+
+
+def _nat(x: Any, below: float = MAX_WORLD_SIZE) -> bool:
+    return type(x) is int and 0 <= x < below  # not bool
+
+
+_STR: _Check = (lambda x: isinstance(x, str), "a string")
+_LIST: _Check = (lambda x: isinstance(x, list), "a list")
+_TIME: _Check = (lambda x: type(x) in (int, float) and 0 <= x < _MAX_TIME, "a time in seconds since the epoch")
+_RANK: _Check = (_nat, f"a rank (0 to {MAX_WORLD_SIZE - 1})")
+_SEQ: _Check = (lambda x: _nat(x, float("inf")), "a sequence number")
+_SHAPE: _Check = (lambda x: isinstance(x, list) and all(_nat(n, float("inf")) for n in x), "a shape (list of sizes)")
+_RANKS: _Check = (lambda x: isinstance(x, list) and all(map(_nat, x)),
+                   f"a list of ranks (0 to {MAX_WORLD_SIZE - 1})")
+_STACKS: _Check = (lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values()),
+                   "an object of thread name: stack")
+
+# field -> check, for the fields the analysis reads; a field may be missing or null unless required
+_DUMP: dict[str, _Check] = {"time": _TIME, "entries": _LIST, "groups": _LIST, "stacks": _STACKS}
+_ENTRY: dict[str, _Check] = {
+    "group": _STR, "op": _STR, "state": _STR, "seq": _SEQ, "scheduled": _TIME, "started": _TIME,
+    "finished": _TIME, "shape": _SHAPE, "dtype": _STR, "root": _RANK, "reduce_op": _STR, "peer": _RANK,
+    "error": _STR,
+}
+_GROUP: dict[str, _Check] = {"name": _STR, "ranks": _RANKS, "backend": _STR}
+
+
+def _show(x: Any) -> str:
+    text = json.dumps(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _fields(obj: Any, spec: dict[str, _Check], where: str, required: tuple[str, ...] = ()) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where} is {_show(obj)}, not an object")
+    for key, (ok, what) in spec.items():
+        value = obj.get(key)
+        if value is None:
+            if key in required:
+                raise ValueError(f"{where} has no {key!r}")
+        elif not ok(value):
+            raise ValueError(f"{where + ': ' if where else ''}{key!r} is {_show(value)}, not {what}")
+
+
+def _checked(d: Any) -> dict[str, Any]:
+    """``d`` (a parsed dump) if the analysis can read it, its null lists made empty; else ValueError
+    saying what is wrong.  Nothing here allocates in proportion to a number read from the dump."""
+    if not isinstance(d, dict):
+        raise ValueError(f"not a dump: the file holds {_show(d)}, not a JSON object")
+    if d.get("rank") is None:
+        raise ValueError("the dump has no rank (written before init_process_group?)")
+    size = d.get("world_size")
+    if size is not None and not (_nat(size, MAX_WORLD_SIZE + 1) and size > 0):
+        raise ValueError(f"'world_size' is {_show(size)}, not a number of ranks from 1 to {MAX_WORLD_SIZE}")
+    if not _nat(d["rank"], size or MAX_WORLD_SIZE):
+        raise ValueError(f"'rank' is {_show(d['rank'])}, not a rank from 0 to {(size or MAX_WORLD_SIZE) - 1}")
+    _fields(d, _DUMP, "")
+    for key, spec, required in (("entries", _ENTRY, ("group", "op", "state")), ("groups", _GROUP, ("name",))):
+        d[key] = d.get(key) or []
+        for i, item in enumerate(d[key]):
+            _fields(item, spec, f"{key}[{i}]", required)
+    d["stacks"] = d.get("stacks") or {}
+    return d
 
 
 def _call(e: dict[str, Any], ranks: list[int] | None = None) -> str:
@@ -98,7 +172,7 @@ def _call(e: dict[str, Any], ranks: list[int] | None = None) -> str:
     if e.get("dtype"):
         text += f" {e['dtype']}"
     if e.get("root") is not None:
-        root = e["root"] if ranks is None else ranks[e["root"]]
+        root = ranks[e["root"]] if ranks and e["root"] < len(ranks) else e["root"]
         text += f", root rank {root}"
     if e.get("reduce_op"):
         text += f", {e['reduce_op']}"
@@ -143,7 +217,7 @@ def analyze(directory: str) -> Report:
     sizes = [d["world_size"] for d in dumps.values() if isinstance(d.get("world_size"), int)]
     expected = max(sizes) if sizes else None
     present = sorted(dumps)
-    missing = sorted(set(range(expected)) - set(present)) if expected else []
+    missing = [r for r in range(expected) if r not in dumps] if expected else []  # expected <= MAX_WORLD_SIZE
     report = Report(directory, expected, present, missing, errors=errors)
     if not dumps:
         report.causes.append(report.add("no_dumps", f"no readable dump in {directory}"))
@@ -234,11 +308,10 @@ def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[
 
 def _frontier(seen: dict[int, dict[int, dict[str, Any]]]) -> int | None:
     """The first collective (seq) not completed by every rank, or None."""
-    top = max((max(s) for s in seen.values() if s), default=None)
-    if top is None:
+    if not any(seen.values()):
         return None
     low = max((min(s) for s in seen.values() if s), default=1)  # oldest seq every ring still holds
-    for q in range(low, top + 1):
+    for q in sorted({q for s in seen.values() for q in s if q >= low}):  # not a gap no rank recorded
         for s in seen.values():
             e = s.get(q)
             if e is None or e["state"] != "completed":
@@ -279,7 +352,7 @@ def _p2p(report: Report, dumps: dict[int, dict[str, Any]]) -> None:
                 continue
             ranks = groups.get(e["group"], {}).get("ranks")
             peer = e.get("peer")
-            who = "any rank" if peer is None else f"rank {ranks[peer] if ranks else peer}"
+            who = "any rank" if peer is None else f"rank {ranks[peer] if ranks and peer < len(ranks) else peer}"
             word = "from" if e["op"] == "recv" else "to"
             body.append(report.add("p2p_pending", f"rank {r} waits in {e['op']} {word} {who} (tag {e.get('tag')}) "
                                    f"on group {e['group']!r}{_age(d, e)}", rank=r, op=e["op"], peer=peer))
