@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,7 +188,7 @@ def test_plot_needs_matplotlib(tmp_path, capsys, monkeypatch) -> None:
 
 def test_plot_option_checks(tmp_path, capsys) -> None:
     assert main(["bench", "collectives", "--plot", str(tmp_path / "no" / "p.png")]) == 2
-    assert "no such directory" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     if HAS_MPL:
         assert main(["bench", "collectives", "--rss", "--plot", str(tmp_path / "p.png")]) == 2
         assert "nothing to draw without the timing phase" in capsys.readouterr().err
@@ -229,6 +231,186 @@ def test_collectives_bench_membw_barrier_plot(tmp_path, capsys) -> None:
     assert again.read_bytes()[:8] == PNG_MAGIC
     assert main(["bench", "plot", str(out)]) == 0  # default: next to the JSON
     assert (tmp_path / "coll.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def _must_not_run(*_a, **_k):
+    raise AssertionError("the benchmark started")
+
+
+def _one_line_error(capsys, *parts: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, err
+    return err
+
+
+@pytest.mark.parametrize("bench", ["collectives", "store", "launch"])
+def test_json_path_checked_before_the_run(bench, tmp_path, capsys) -> None:
+    """An unwritable --json is a usage error (exit 2) at parse time, before anything runs."""
+    parser = build_parser()
+    for bad, why in (("/proc/x.json", "not a regular file system"), (str(tmp_path), "is a directory"),
+                     (str(tmp_path / "no" / "x.json"), "does not exist")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["bench", bench, "--json", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: argument --json: " in err.splitlines()[-1] and why in err.splitlines()[-1]
+    args = parser.parse_args(["bench", bench, "--json", str(tmp_path / "ok.json")])
+    assert args.json == str(tmp_path / "ok.json")
+
+
+def test_collectives_json_write_failure_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """The JSON still cannot be written at the end (checked up front, then it became a directory)."""
+    out = tmp_path / "coll.json"
+
+    def fake_run(cfg, progress):
+        out.mkdir()
+        return {"summary": {"distcomm_failed": False}}
+
+    monkeypatch.setattr(collectives, "run_collectives_benchmark", fake_run)
+    monkeypatch.setattr(collectives, "format_results", lambda r: "the table")
+    assert main(["bench", "collectives", "--phases", "timing", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "the table\n"  # the table is printed, then the one-line error
+    assert captured.err == f"distcomm bench collectives: --json: cannot write {out}: Is a directory\n"
+
+
+def test_launch_json_write_failure_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    from distcomm.bench import launch
+
+    out = tmp_path / "launch.json"
+
+    def fake_measure(cfg, progress):
+        out.mkdir()
+        return {"config": {}}
+
+    monkeypatch.setattr(launch, "measure", fake_measure)
+    monkeypatch.setattr(launch, "format_results", lambda r: "the table")
+    assert main(["bench", "launch", "--no-torch", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "the table\n"
+    assert captured.err == f"distcomm bench launch: --json: cannot write {out}: Is a directory\n"
+
+
+def test_plot_path_refused_up_front(tmp_path, capsys, monkeypatch) -> None:
+    """--plot DIR, a name without extension, an unknown format, /proc: refused before the run, one line."""
+    monkeypatch.setattr(collectives, "run_collectives_benchmark", _must_not_run)
+    cases = [(str(tmp_path), "is a directory; expected a file name such as"),
+             ("/proc/x.png", "cannot be written")]
+    if HAS_MPL:
+        cases += [(str(tmp_path / "fig"), "has no file extension; expected FILE.png (or .svg, .pdf: any of "),
+                  (str(tmp_path / "fig."), "has no file extension"),
+                  (str(tmp_path / "fig.xyz"), ".xyz is not a format matplotlib can write here; expected "
+                                              "FILE.png (or .svg, .pdf: any of ")]
+    for path, why in cases:
+        assert main(["bench", "collectives", "--plot", path]) == 2
+        err = _one_line_error(capsys, "distcomm bench collectives: --plot: ", why)
+        if "any of" in why:
+            assert "png" in err.split("any of")[1] and "svg" in err.split("any of")[1]
+        results = tmp_path / "r.json"
+        results.write_text(json.dumps(_plot_results()))
+        assert main(["bench", "plot", str(results), "-o", path]) == 2
+        _one_line_error(capsys, "distcomm bench plot: -o: ", why)
+    assert sorted(os.listdir(tmp_path)) == ["r.json"]  # nothing written (no fig.png next to fig)
+
+
+def _plot_results() -> dict:
+    res = _fake_results("tcp", 2, {"all_reduce": {8: {"distcomm": 1e-5, "torch": 2e-5, "mpi": 1e-5},
+                                                  1024: {"distcomm": 2e-5, "torch": 3e-5, "mpi": 2e-5}},
+                                   "barrier": {0: {"distcomm": 1e-5, "torch": 2e-5, "mpi": 1e-5}}})
+    res["benchmark"] = "collectives"
+    res["config"]["dtype"] = "float32"
+    return res
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_plot_writes_and_names_the_file_given(tmp_path, capsys) -> None:
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps(_plot_results()))
+    for name in ("fig.svg", "FIG.PNG", "fig.pdf"):
+        assert main(["bench", "plot", str(results), "-o", str(tmp_path / name)]) == 0
+        assert capsys.readouterr().out == f"wrote {tmp_path / name}\n"
+    assert sorted(os.listdir(tmp_path)) == ["FIG.PNG", "fig.pdf", "fig.svg", "r.json"]
+    assert (tmp_path / "FIG.PNG").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="expected FILE.png"):  # called directly: no silent NAME.png
+        plot.write_plot(_plot_results(), str(tmp_path / "noext"))
+    assert not (tmp_path / "noext.png").exists()
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_plot_refuses_incomplete_results(tmp_path, capsys) -> None:
+    """An incomplete bench collectives --json: one line naming what is missing, exit 2."""
+    full = _plot_results()
+    no_libs = json.loads(json.dumps(full))
+    del no_libs["config"]["libs"]
+    no_p50 = json.loads(json.dumps(full))
+    del no_p50["runs"]["all_reduce"]["8"]["torch"][0]["p50_s"]
+    cases = [({"benchmark": "collectives"}, "missing config"), (no_libs, "missing config.libs"),
+             ({**full, "runs": None}, "runs is not an object"),
+             ({k: v for k, v in full.items() if k != "runs"}, "missing runs"),
+             (no_p50, "missing p50_s")]
+    for i, (data, why) in enumerate(cases):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(data))
+        assert main(["bench", "plot", str(path), "-o", str(tmp_path / "out.png")]) == 2
+        _one_line_error(capsys, f"distcomm bench plot: {path} is not a complete bench collectives --json file: "
+                                f"{why}")
+    assert not (tmp_path / "out.png").exists()
+    assert plot.results_problem(full) is None
+
+
+def test_float_options_must_be_finite(capsys) -> None:
+    parser = build_parser()
+    for bad in (["--timeout", "inf"], ["--timeout", "nan"], ["--timeout", "-1"], ["--iters", "x" + "9" * 400],
+                ["--iters", "x0"]):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["bench", "collectives", *bad])
+        assert e.value.code == 2
+    capsys.readouterr()
+    for kw in ({"timeout": math.inf}, {"timeout": math.nan}, {"iters_scale": math.inf}):
+        with pytest.raises(ValueError, match="must be a positive finite number"):
+            CollBenchConfig(**kw).check()
+
+
+def test_backend_mpi_needs_mpi(capsys, monkeypatch) -> None:
+    """--backend mpi runs distcomm's ranks under mpirun: without MPI it is refused up front, in one line."""
+    monkeypatch.setattr(collectives, "mpi_missing", lambda: "mpi4py is not installed (pip install x)")
+    monkeypatch.setattr(collectives, "run_collectives_benchmark", _must_not_run)
+    assert main(["bench", "collectives", "--backend", "mpi", "--phases", "timing"]) == 2
+    _one_line_error(capsys, "distcomm bench collectives: --backend mpi runs distcomm's ranks under mpirun, "
+                            "which cannot run here: mpi4py is not installed")
+    CollBenchConfig(backend="tcp").check()  # other backends do not need it
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(NO_MPI is not None, reason=f"--backend mpi cannot run here: {NO_MPI}")
+def test_collectives_bench_backend_mpi() -> None:
+    """Backend mpi takes its ranks from an MPI job: distcomm's ranks run under mpirun."""
+    cfg = _tiny(("distcomm",), backend="mpi", ops=("all_reduce", "all_to_all_single", "barrier"),
+                sizes=(8,), phases=("timing",))
+    results = run_collectives_benchmark(cfg)
+    _check(results, cfg)
+    assert results["environment"]["restarts"] == {"distcomm": 0}
+
+
+def test_sizes_help_shows_the_real_default(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "collectives", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    m = re.search(r"--sizes SIZES .*?\(default: ([^)]*)\)", text)
+    assert m is not None, text
+    assert parse_sizes(m.group(1)) == DEFAULT_SIZES
+
+
+def test_rss_conflicts_with_phases(capsys) -> None:
+    """--rss is --phases rss: with --phases too, it is a usage error, not a silent choice."""
+    parser = build_parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["bench", "collectives", "--rss", "--phases", "timing"])
+    assert e.value.code == 2
+    assert "argument --phases: not allowed with argument --rss" in capsys.readouterr().err
+    assert parser.parse_args(["bench", "collectives", "--rss"]).rss is True
 
 
 def test_default_phases_follow_the_backend() -> None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 
-from distcomm.bench.store import StoreBenchConfig, format_results, run_store_benchmark
+from distcomm.bench import store
+from distcomm.bench._procs import HelperError, one_line
+from distcomm.bench.store import StoreBenchConfig, format_results, host_problem, run_store_benchmark
 from distcomm.cli import build_parser, main
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -95,3 +98,85 @@ def test_store_bench_cli_rejects_bad_options(capsys) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["bench"])  # a benchmark name is required
     capsys.readouterr()
+
+
+def _must_not_run(*_a, **_k):
+    raise AssertionError("the benchmark started")
+
+
+def _one_line_error(capsys, *parts: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, err
+    return err
+
+
+def test_store_bench_float_options_must_be_finite(capsys) -> None:
+    parser = build_parser()
+    for bad in (["--timeout", "inf"], ["--timeout", "nan"], ["--duration", "inf"], ["--duration", "0"]):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["bench", "store", *bad])
+        assert e.value.code == 2
+    capsys.readouterr()
+    for kw in ({"timeout": math.inf}, {"duration": math.nan}):
+        with pytest.raises(ValueError, match="must be a positive finite number"):
+            StoreBenchConfig(**kw).check()
+
+
+def test_store_bench_host_checked_up_front(capsys, monkeypatch) -> None:
+    """A host that does not resolve, or is not this machine's: one line, exit 2, nothing started."""
+    monkeypatch.setattr(store, "run_store_benchmark", _must_not_run)
+    assert main(["bench", "store", "--host", "bogus.invalid"]) == 2
+    _one_line_error(capsys, "distcomm bench store: --host 'bogus.invalid': cannot resolve it (",
+                    "expected an address of this machine")
+    assert main(["bench", "store", "--host", "192.0.2.1"]) == 2  # TEST-NET-1: nobody's address
+    _one_line_error(capsys, "distcomm bench store: --host '192.0.2.1': cannot listen and connect there (")
+    assert host_problem("127.0.0.1") is None
+    StoreBenchConfig().check()
+
+
+def test_store_bench_server_failure_is_reported_once(capsys, monkeypatch) -> None:
+    """A server that cannot start stops the run at once: one line with the cause, exit 1."""
+    calls = []
+
+    def serve(self, lib):
+        calls.append(lib)
+        raise HelperError("bench-server-1 failed:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                          "OSError: [Errno 98] Address already in use\n")
+
+    monkeypatch.setattr(store._StoreBench, "_serve", serve)
+    assert main(["bench", "store", "--sizes", "4", "--repeat", "2"]) == 1
+    _one_line_error(capsys, "distcomm bench store: the distcomm server cannot start on 127.0.0.1: "
+                            "bench-server-1 failed: OSError: [Errno 98] Address already in use")
+    assert calls == ["distcomm"]
+
+
+def test_helper_errors_fit_on_one_line() -> None:
+    tb = "bench-server-1 failed:\nTraceback (most recent call last):\n  File \"x\"\nsocket.gaierror: [Errno -2] nope\n"
+    assert one_line(tb) == "bench-server-1 failed: socket.gaierror: [Errno -2] nope"
+    assert one_line("bench-worker-2 died (exit code 1)") == "bench-worker-2 died (exit code 1)"
+    results = {"config": {"libs": ["distcomm"], "repeat": 1, "phases": ["latency"], "clients": 1, "sizes": []},
+               "environment": {}, "date": "now",
+               "runs": {"latency": {"distcomm": [{"error": tb}]}, "throughput": {"distcomm": []},
+                        "rendezvous": {}}}
+    results["summary"] = store.summarize(results)
+    text = format_results(results)
+    assert "  distcomm: a measurement failed: bench-server-1 failed: socket.gaierror: [Errno -2] nope" in text
+    assert "Traceback" not in text
+
+
+def test_store_json_write_failure_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    out = tmp_path / "store.json"
+
+    def fake_run(cfg, progress):
+        out.mkdir()  # writable when checked, not any more
+        return {"runs": {"latency": {}, "throughput": {}, "rendezvous": {}}}
+
+    monkeypatch.setattr(store, "run_store_benchmark", fake_run)
+    monkeypatch.setattr(store, "format_results", lambda r: "the table")
+    assert main(["bench", "store", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "the table\n"
+    assert captured.err == f"distcomm bench store: --json: cannot write {out}: Is a directory\n"
+

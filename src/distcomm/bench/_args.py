@@ -33,6 +33,13 @@ def add_positive(parser: argparse.ArgumentParser, *flags: str, kind: type, defau
     parser.add_argument(*flags, type=positive(kind), default=default, help=f"{help} (default: {shown})")
 
 
+def reason(e: BaseException) -> str:
+    """An exception's cause for a one-line message: an OSError's strerror, else its text."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def output_problem(path: str) -> str | None:
     """Why a file cannot be written at ``path`` (checked before a benchmark runs), or None."""
     full = os.path.abspath(path)
@@ -72,13 +79,32 @@ def host_facts() -> dict[str, Any]:
     }
 
 
+def _dump(results: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+
+
+def write_json(results: dict, path: str, prog: str) -> bool:
+    """Write ``results`` to ``path`` and say so; False (after a one-line message) if that fails."""
+    try:
+        _dump(results, path)
+    except OSError as e:  # checked up front (output_file), but it can still fail (disk full, ...)
+        print(f"{prog}: --json: cannot write {path}: {reason(e)}", file=sys.stderr)
+        return False
+    print(f"wrote {path}")
+    return True
+
+
 def emit(results: dict, text: str, json_path: str | None) -> None:
-    """Print a benchmark's table and, if asked, write all its numbers as JSON."""
+    """Print a benchmark's table and, if asked, write all its numbers as JSON.
+
+    Raises OSError if the JSON cannot be written (see :func:`write_json` for a
+    one-line message instead).
+    """
     print(text, flush=True)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        _dump(results, json_path)
         print(f"wrote {json_path}")
 
 
@@ -89,6 +115,8 @@ def run_bench(
     """Check ``config``, run it with progress on stderr, print and save the results.
 
     Returns the results, or None (after a one-line message) if ``config`` is invalid.
+    If the JSON cannot be written, exits with status 1 after a one-line message
+    (callers that still have work to do pass ``json_path=None`` and use :func:`write_json`).
     """
     try:
         config.check()
@@ -100,5 +128,7 @@ def run_bench(
         print(msg, file=sys.stderr, flush=True)
 
     results = run(config, progress)
-    emit(results, fmt(results), json_path)
+    print(fmt(results), flush=True)
+    if json_path and not write_json(results, json_path, prog):
+        raise SystemExit(1)
     return results

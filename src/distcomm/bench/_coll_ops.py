@@ -39,7 +39,7 @@ SAMPLES = 61
 #: to ``ITERS_AT[1]`` at ``SIZE_RANGE[1]``, log-linear in between (as the anchors were taken).
 SIZE_RANGE = (8, 64 << 20)
 ITERS_AT = (2000, 4)
-#: Default sizes: 8 B to 64 MiB (x8, with 1 KiB, then x4).
+#: Default sizes: 8, 64, 512 B, 1, 4, 32, 256 KiB, 1, 4, 16, 64 MiB (1 KiB and 1 MiB included).
 DEFAULT_SIZES = (8, 64, 512, 1 << 10, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 DTYPES = ("float32", "float64", "int32", "int64")
 #: Value written into buffers a collective is expected to overwrite.

@@ -50,6 +50,19 @@ def output_tail(path: str, intro: str, lines: int = 6) -> str:
     return (intro + " | ".join(tail)) if tail else ""
 
 
+def one_line(message: str) -> str:
+    """A helper's error on one line: its first line, plus the exception line of a traceback in it.
+
+    ``"bench-server-1 failed:\nTraceback ...\nsocket.gaierror: [Errno -2] Name or service not known"``
+    becomes ``"bench-server-1 failed: socket.gaierror: [Errno -2] Name or service not known"``.
+    """
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = lines[0] if len(lines) == 1 or not lines[1].startswith("Traceback") else f"{lines[0]} {lines[-1]}"
+    return text[:400]
+
+
 class HelperError(RuntimeError):
     """A helper process failed, died or missed its deadline."""
 

@@ -1,9 +1,9 @@
 """``distcomm bench collectives``: time per call of each collective, vs torch gloo and MPI.
 
-For each collective (``--ops``) and each size (``--sizes``, 8 B to 64 MiB by
-default) every library (distcomm's ``--backend``, and with ``--compare``
-torch.distributed's gloo and mpi4py under ``mpirun``) runs a fixed number
-of calls on ``-n`` ranks:
+For each collective (``--ops``) and each size (``--sizes``; by default 8, 64,
+512 B, 1, 4, 32, 256 KiB, 1, 4, 16, 64 MiB) every library (distcomm's
+``--backend``, and with ``--compare`` torch.distributed's gloo and mpi4py
+under ``mpirun``) runs a fixed number of calls on ``-n`` ranks:
 
 * untimed warm-up calls, then a barrier, then ``iters`` timed calls, then a
   barrier (with ``--sync``, also a barrier of the library before every timed
@@ -21,7 +21,8 @@ of calls on ``-n`` ranks:
 Every library runs in its own processes: distcomm's and torch's ranks are
 :mod:`._procs` helpers (fresh interpreters, libraries imported before any
 clock starts), MPI's are started by ``mpirun --oversubscribe -n N``
-(:mod:`._coll_mpi`).  All of them stay up for the whole run and take
+(:mod:`._coll_mpi`), and so are distcomm's with ``--backend mpi`` (that backend
+takes its ranks from an MPI job).  All of them stay up for the whole run and take
 commands from this process, which only orchestrates; an idle rank blocks in
 a socket read.  For each collective and size the libraries run one after
 the other, in an order rotated every repetition (``--repeat``), so noise on
@@ -51,6 +52,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -61,7 +63,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import add_json_option, add_positive, host_facts, run_bench
+from ._args import add_json_option, add_positive, host_facts, reason, run_bench, write_json
 from ._coll_mpi import MpiJob, mpi_missing
 from ._coll_ops import (
     DEFAULT_OPS,
@@ -134,6 +136,8 @@ class CollBenchConfig:
         why = backend_problem(self.backend)
         if why is not None:
             raise ValueError(f"--backend: {why}")
+        if uses_mpi(self.backend) and (why := mpi_missing()):
+            raise ValueError(f"--backend mpi runs distcomm's ranks under mpirun, which cannot run here: {why}")
         if self.world_size < 2:
             raise ValueError(f"world size must be >= 2, got {self.world_size}")
         if not self.ops or any(op not in OPS for op in self.ops):
@@ -151,8 +155,10 @@ class CollBenchConfig:
             raise ValueError(f"iters must be >= 1, got {self.iters}")
         if self.warmup is not None and self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if not self.iters_scale > 0 or not self.timeout > 0:
-            raise ValueError("iters scale and timeout must be > 0")
+        for name in ("iters_scale", "timeout"):
+            value = getattr(self, name)
+            if not value > 0 or not math.isfinite(value):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
 
     def iters_for(self, nbytes: int) -> int:
         if self.iters is not None:
@@ -161,6 +167,11 @@ class CollBenchConfig:
 
     def warmup_for(self, iters: int) -> int:
         return default_warmup(iters) if self.warmup is None else self.warmup
+
+
+def uses_mpi(backend: str) -> bool:
+    """Whether distcomm's ranks on ``backend`` must run under ``mpirun`` (backend mpi)."""
+    return backend.strip().lower() == "mpi"
 
 
 def default_phases(backend: str) -> tuple[str, ...]:
@@ -190,11 +201,13 @@ class _Ranks:
         self.ranks: list[Any] = []
         self._pool: Pool | None = None
         self._mpi: MpiJob | None = None
+        #: the ranks run under ``mpirun``: mpi4py's, and distcomm's on backend mpi
+        self.under_mpi = lib == "mpi" or (lib == "distcomm" and uses_mpi(cfg.backend))
 
     def _helpers(self) -> list[Any]:
         n = self.cfg.world_size
-        if self.lib == "mpi":
-            self._mpi = MpiJob(n, os.path.join(self.log_dir, f"mpi-{self.starts}.log"))
+        if self.under_mpi:
+            self._mpi = MpiJob(n, os.path.join(self.log_dir, f"{self.lib}-mpi-{self.starts}.log"))
             return self._mpi.ranks
         if self._pool is None:
             sub = os.path.join(self.log_dir, self.lib)
@@ -490,6 +503,11 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
 
+def _sizes_text(sizes: Sequence[int]) -> str:
+    """``8B, 64B, ..., 1KiB, ...``: sizes as --sizes takes them."""
+    return ", ".join(size_text(s).replace(" ", "") for s in sizes)
+
+
 def _one_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
@@ -554,7 +572,7 @@ def _iters(text: str) -> tuple[int | None, float]:
     if t == "auto":
         return None, 1.0
     m = re.fullmatch(r"(auto\*|x)(\d+(\.\d+)?)", t)
-    if m and float(m.group(2)) > 0:
+    if m and 0 < float(m.group(2)) < math.inf:
         return None, float(m.group(2))
     if t.isdigit() and int(t) > 0:
         return int(t), 1.0
@@ -565,15 +583,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench collectives``."""
     d = CollBenchConfig()
     parser.add_argument("--backend", default=d.backend, metavar="NAME",
-                        help="distcomm backend: any registered one, e.g. tcp, shm, auto (default: tcp)")
+                        help="distcomm backend: any registered one, e.g. tcp, shm, auto, mpi (its ranks "
+                             "then run under mpirun) (default: tcp)")
     add_positive(parser, "-n", "--nproc", kind=int, default=d.world_size, help="ranks per library")
     parser.add_argument("--compare", action="append", choices=["torch", "mpi"], default=[],
                         help="also run torch.distributed (gloo) or mpi4py under mpirun, interleaved; repeatable")
     parser.add_argument("--ops", type=_ops, default=d.ops, metavar="OP,OP,...",
                         help=f"collectives (default: {','.join(d.ops)}; 'all')")
     parser.add_argument("--sizes", type=parse_sizes, default=d.sizes, metavar="SIZES",
-                        help="bytes per rank as nccl-tests counts them: 8B,4KiB,... or 8B..64MiB "
-                             "(default: 8B..64MiB, x8 then x4)")
+                        help="bytes per rank as nccl-tests counts them: a list 8B,4KiB,...; a range LO..HI "
+                             "(LO, the default sizes between, HI); or LO..HI:xF (LO, LO*F, ..., HI) "
+                             f"(default: {_sizes_text(d.sizes)})")
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"element type (default: {d.dtype})")
     parser.add_argument("--iters", type=_iters, default=(None, 1.0), metavar="auto|N|xF",
                         help="timed calls per size: auto (2000 at 8 B to 4 at 64 MiB), N for every size, "
@@ -584,10 +604,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "benchmarks do; by default calls follow each other, so a rank with more "
                              "checking to do between calls (broadcast's non-roots) delays the others")
     add_positive(parser, "--repeat", kind=int, default=d.repeat, help="interleaved repetitions; medians are reported")
-    parser.add_argument("--phases", type=_phases, default=None, metavar="P,P,...",
-                        help="any of timing, rss, membw (default: timing,rss; and membw when the "
-                             "backend is shm or auto)")
-    parser.add_argument("--rss", action="store_true", help="only the rss phase (same as --phases rss)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--phases", type=_phases, default=None, metavar="P,P,...",
+                      help="any of timing, rss, membw (default: timing,rss; and membw when the "
+                           "backend is shm or auto)")
+    only.add_argument("--rss", action="store_true",
+                      help="only the rss phase: same as --phases rss (so not with --phases)")
     add_positive(parser, "--rss-calls", kind=int, default=d.rss_calls, help="all_reduce calls of the rss phase")
     parser.add_argument("--membw-size", type=_one_size, default=d.membw_bytes, metavar="SIZE",
                         help="array each process copies in the membw phase (default: 64MiB)")
@@ -595,7 +617,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  help="seconds a measurement may take before it fails")
     add_json_option(parser)
     parser.add_argument("--plot", metavar="FILE.png",
-                        help="also draw busbw and p50 against size for every library (needs matplotlib)")
+                        help="also draw busbw and p50 against size for every library; the extension "
+                             "picks the format: .png, .svg, .pdf, ... (needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -630,15 +653,18 @@ def run(args: argparse.Namespace) -> int:
         phases=None if phases is None else tuple(phases), rss_calls=args.rss_calls,
         membw_bytes=args.membw_size,
     )
-    results = run_bench(prog, config, run_collectives_benchmark, format_results, args.json)
+    # the JSON is written here, not by run_bench: a JSON that cannot be written still gets its figure
+    results = run_bench(prog, config, run_collectives_benchmark, format_results, None)
     if results is None:
         return 2
     code = 1 if results["summary"]["distcomm_failed"] else 0
+    if args.json and not write_json(results, args.json, prog):
+        code = 1
     if args.plot:
         try:
-            plot.write_plot(results, args.plot)
-        except OSError as e:
-            print(f"{prog}: --plot: cannot write {args.plot}: {e}", file=sys.stderr)
+            written = plot.write_plot(results, args.plot)
+        except (OSError, RuntimeError, ValueError) as e:  # RuntimeError: a tool the format needs failed
+            print(f"{prog}: --plot: cannot write {args.plot}: {reason(e)}", file=sys.stderr)
             return code or 1
-        print(f"wrote {args.plot}")
+        print(f"wrote {written}")
     return code

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ._args import add_json_option, add_positive, run_bench
+from ._args import add_json_option, add_positive, run_bench, write_json
 
 PROG = "distcomm bench launch"
 
@@ -256,8 +256,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = LaunchBenchConfig(nproc=args.nproc, repeat=args.repeat, kills=args.kills,
                             backend=args.backend, compare_torch=torch, timeout=args.timeout)
     try:
-        results = run_bench(PROG, cfg, measure, format_results, args.json)
+        results = run_bench(PROG, cfg, measure, format_results, None)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
-    return 0 if results is not None else 2
+    if results is None:
+        return 2
+    return 0 if not args.json or write_json(results, args.json, PROG) else 1

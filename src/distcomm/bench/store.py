@@ -33,6 +33,7 @@ import importlib.util
 import math
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -40,11 +41,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import add_json_option, add_positive, host_facts, run_bench
-from ._procs import HelperError, Pool, gather
+from ._args import add_json_option, add_positive, host_facts, reason, run_bench, write_json
+from ._procs import HelperError, Pool, gather, one_line
 
 __all__ = [
     "StoreBenchConfig",
+    "StoreBenchError",
+    "host_problem",
     "run_store_benchmark",
     "summarize",
     "format_results",
@@ -52,6 +55,7 @@ __all__ = [
     "run",
 ]
 
+PROG = "distcomm bench store"
 LIBRARIES = ("distcomm", "torch")
 PHASES = ("latency", "throughput", "rendezvous")
 _W = "distcomm.bench._store_worker:"
@@ -61,6 +65,34 @@ TARGET_RATIO = 1.5
 _GRACE = 30.0
 
 Progress = Callable[[str], None]
+
+
+class StoreBenchError(RuntimeError):
+    """The benchmark cannot run at all (a library's server does not start); the message is one line."""
+
+
+def host_problem(host: str) -> str | None:
+    """Why the servers cannot listen on ``host`` and clients reach them there, or None.
+
+    Checked before anything starts, as the servers and clients will do it: the
+    name is resolved, a socket bound to it, and a connection made to that socket.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {host!r}: cannot resolve it ({reason(e)}); expected an address of this machine, e.g. 127.0.0.1"
+    last: OSError | None = None
+    for family, type_, proto, _, addr in infos:
+        try:
+            with socket.socket(family, type_, proto) as listener:
+                listener.bind(addr)
+                listener.listen(1)
+                with socket.create_connection((host, listener.getsockname()[1]), timeout=5.0):
+                    return None
+        except OSError as e:
+            last = e
+    why = reason(last) if last is not None else "no address"
+    return f"--host {host!r}: cannot listen and connect there ({why}); expected an address of this machine, e.g. 127.0.0.1"
 
 
 @dataclasses.dataclass
@@ -91,8 +123,13 @@ class StoreBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.sizes or any(n < 1 for n in self.sizes):
             raise ValueError(f"sizes must be positive client counts, got {self.sizes}")
-        if not self.duration > 0 or not self.timeout > 0:
-            raise ValueError("duration and timeout must be > 0 seconds")
+        for name in ("duration", "timeout"):
+            value = getattr(self, name)
+            if not value > 0 or not math.isfinite(value):
+                raise ValueError(f"{name} must be a positive finite number of seconds, got {value}")
+        why = host_problem(self.host)
+        if why is not None:
+            raise ValueError(why)
 
 
 # -- statistics -----------------------------------------------------------------
@@ -135,13 +172,22 @@ class _StoreBench:
         server.send(_W + "serve", lib, self.cfg.host, self.cfg.timeout)
         return gather([server], "done", time.monotonic() + 60.0)[0]
 
+    def preflight(self, lib: str) -> None:
+        """Start and stop ``lib``'s server once; raise :class:`StoreBenchError` if it cannot start."""
+        try:
+            self._serve(lib)
+        except HelperError as e:
+            self.pool.reset()
+            raise StoreBenchError(f"the {lib} server cannot start on {self.cfg.host}: {one_line(str(e))}") from None
+        self._unserve(lib)
+
     def _unserve(self, lib: str) -> None:
         try:
             server = self.pool.server()
             server.send(_W + "unserve", lib)
             gather([server], "done", time.monotonic() + 30.0)
         except HelperError as e:
-            self.say(f"  stopping the {lib} server failed ({e}); restarting the helpers")
+            self.say(f"  stopping the {lib} server failed ({one_line(str(e))}); restarting the helpers")
             self.pool.reset()
 
     def latency(self, order: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -242,7 +288,8 @@ class _StoreBench:
             self.pool.reset()
             served = False
             return {**base, "ok": False, "seconds": None, "completed": 0, "errors": n,
-                    "first_error": f"benchmark helper failed: {e}", "timed_out": e.timed_out}
+                    "first_error": f"benchmark helper failed: {one_line(str(e))}", "timed_out": e.timed_out,
+                    "error_detail": str(e)}
         finally:
             if served:
                 self._unserve(lib)
@@ -308,7 +355,8 @@ def run_store_benchmark(
 
     The result holds ``config``, ``environment``, raw per-repetition
     ``runs``, the ``summary`` (medians and ratios, see :func:`summarize`) and
-    ``child_stderr`` (what helper processes wrote to stderr).
+    ``child_stderr`` (what helper processes wrote to stderr).  Raises
+    :class:`StoreBenchError` (before measuring) if a library's server cannot start.
     """
     config.check()
     say = progress or (lambda _msg: None)
@@ -330,6 +378,8 @@ def run_store_benchmark(
     bench = _StoreBench(pool, config, say)
     started = time.monotonic()
     try:
+        for lib in libs:  # a server that cannot start fails the run once, here
+            bench.preflight(lib)
         for rep in range(config.repeat):
             order = libs if rep % 2 == 0 else libs[::-1]
             tag = f"[{rep + 1}/{config.repeat}]"
@@ -338,13 +388,14 @@ def run_store_benchmark(
                 for lib, res in bench.latency(order).items():
                     runs["latency"][lib].append(res)
                     say(f"  {lib:8s} " + (f"round trip p50 {res['pair_p50_us']:.1f} us"
-                                          if res.get("error") is None else f"FAILED: {res['error']}"))
+                                          if res.get("error") is None else f"FAILED: {one_line(res['error'])}"))
             if "throughput" in config.phases:
                 for lib in order:
                     res = bench.throughput(lib)
                     runs["throughput"][lib].append(res)
                     say(f"{tag} throughput {lib:8s} {config.clients} clients: "
-                        + (f"{res['ops_per_s']:,.0f} ops/s" if res["ops_per_s"] else f"FAILED: {res['error']}"))
+                        + (f"{res['ops_per_s']:,.0f} ops/s" if res["ops_per_s"]
+                           else f"FAILED: {one_line(res['error'] or '')}"))
             if "rendezvous" in config.phases:
                 for n in config.sizes:
                     for lib in order:
@@ -506,7 +557,7 @@ def format_results(results: dict[str, Any]) -> str:
         tput = [r for r in results["runs"]["throughput"].get(lib, []) if r.get("error")]
         lat = [r for r in results["runs"]["latency"].get(lib, []) if r.get("error")]
         for r in lat + tput:
-            lines.append(f"  {lib}: a measurement failed: {r['error'].splitlines()[0]}")
+            lines.append(f"  {lib}: a measurement failed: {one_line(r['error'])}")
     if summary["targets"]:
         lines.append("")
         lines.append("targets:")
@@ -581,7 +632,7 @@ def run(args: argparse.Namespace) -> int:
     libs: tuple[str, ...] = ("distcomm",)
     if args.compare == "torch":
         if importlib.util.find_spec("torch") is None:
-            print("distcomm bench store: --compare torch needs torch, which is not installed "
+            print(f"{PROG}: --compare torch needs torch, which is not installed "
                   "(pip install 'distcomm[torch]')", file=sys.stderr)
             return 2
         libs = ("distcomm", "torch")
@@ -590,9 +641,15 @@ def run(args: argparse.Namespace) -> int:
         sizes=tuple(args.sizes), repeat=args.repeat, timeout=args.timeout,
         threads_per_proc=args.threads_per_proc, host=args.host, phases=tuple(args.phases),
     )
-    results = run_bench("distcomm bench store", config, run_store_benchmark, format_results, args.json)
+    try:
+        results = run_bench(PROG, config, run_store_benchmark, format_results, None)
+    except StoreBenchError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
     if results is None:
         return 2
+    if args.json and not write_json(results, args.json, PROG):
+        return 1
     return 1 if _distcomm_failed(results) else 0
 
 
