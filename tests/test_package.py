@@ -97,6 +97,7 @@ def test_store_command_rejects_a_bad_port():
 @pytest.mark.parametrize("argv, says", [
     (["--version"], f"distcomm {distcomm.__version__}"),
     (["info", "--bogus"], "distcomm info: error: unrecognized arguments: --bogus"),
+    (["bench", "collectives", "--bogus"], "distcomm bench collectives: error: unrecognized arguments"),
     (["store", "--log-level", "bogus"], "argument --log-level: invalid choice: 'BOGUS'"),
     (["store", "--host", ""], "distcomm store: --host must name an address"),
     (["lighthouse", "--bind", "127.0.0.1"], "argument --bind: '127.0.0.1': expected HOST:PORT"),

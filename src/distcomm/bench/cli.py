@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, (module, help_) in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_bench_module=module)
+        p.set_defaults(_bench_module=module, _parser=p)  # (its errors show its own usage)
         importlib.import_module(module).add_arguments(p)
 
 
