@@ -140,11 +140,28 @@ class Log:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """The chaos run; the replicas' logs go to a temporary directory, removed however the run
+    ends (kept, and named in the report, with ``--keep-logs``)."""
+    tmp = tempfile.mkdtemp(prefix="distcomm-chaos-")
+    try:
+        report = _run(args, tmp)
+    except BaseException:
+        if args.keep_logs:
+            print(f"chaos.py: the replicas' logs are kept in {tmp}", file=sys.stderr)
+        raise
+    finally:
+        if not args.keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep_logs:
+        report["logs"] = tmp
+    return report
+
+
+def _run(args: argparse.Namespace, tmp: str) -> dict:
     from distcomm.ft.lighthouse import LighthouseThread
     from distcomm.store import TCPStore
 
     rng = random.Random(args.seed)
-    tmp = tempfile.mkdtemp(prefix="distcomm-chaos-")
     kills: list[dict] = []
     problems: list[str] = []
     size = args.ranks_per_replica
@@ -239,10 +256,6 @@ def run(args: argparse.Namespace) -> dict:
     report = check(args, records, kills, hung, problems)
     report["lighthouse"] = {"quorum_id": status["quorum_id"], "quorums_issued": status["quorums_issued"]}
     report["seconds"] = round(time.time() - t_start, 2)
-    if args.keep_logs:
-        report["logs"] = tmp
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
     return report
 
 

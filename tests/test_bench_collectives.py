@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from cli_checks import must_not_run, one_line_error
 
 from distcomm.bench import collectives, plot
 from distcomm.bench._coll_mpi import mpi_missing
@@ -233,18 +234,6 @@ def test_collectives_bench_membw_barrier_plot(tmp_path, capsys) -> None:
     assert (tmp_path / "coll.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def _must_not_run(*_a, **_k):
-    raise AssertionError("the benchmark started")
-
-
-def _one_line_error(capsys, *parts: str) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    for part in parts:
-        assert part in err, err
-    return err
-
-
 @pytest.mark.parametrize("bench", ["collectives", "store", "launch"])
 def test_json_path_checked_before_the_run(bench, tmp_path, capsys) -> None:
     """An unwritable --json is a usage error (exit 2) at parse time, before anything runs."""
@@ -295,7 +284,7 @@ def test_launch_json_write_failure_is_one_line(tmp_path, capsys, monkeypatch) ->
 
 def test_plot_path_refused_up_front(tmp_path, capsys, monkeypatch) -> None:
     """--plot DIR, a name without extension, an unknown format, /proc: refused before the run, one line."""
-    monkeypatch.setattr(collectives, "run_collectives_benchmark", _must_not_run)
+    monkeypatch.setattr(collectives, "run_collectives_benchmark", must_not_run)
     cases = [(str(tmp_path), "is a directory; expected a file name such as"),
              ("/proc/x.png", "cannot be written")]
     if HAS_MPL:
@@ -305,13 +294,13 @@ def test_plot_path_refused_up_front(tmp_path, capsys, monkeypatch) -> None:
                                               "FILE.png (or .svg, .pdf: any of ")]
     for path, why in cases:
         assert main(["bench", "collectives", "--plot", path]) == 2
-        err = _one_line_error(capsys, "distcomm bench collectives: --plot: ", why)
+        err = one_line_error(capsys, "distcomm bench collectives: --plot: ", why)
         if "any of" in why:
             assert "png" in err.split("any of")[1] and "svg" in err.split("any of")[1]
         results = tmp_path / "r.json"
         results.write_text(json.dumps(_plot_results()))
         assert main(["bench", "plot", str(results), "-o", path]) == 2
-        _one_line_error(capsys, "distcomm bench plot: -o: ", why)
+        one_line_error(capsys, "distcomm bench plot: -o: ", why)
     assert sorted(os.listdir(tmp_path)) == ["r.json"]  # nothing written (no fig.png next to fig)
 
 
@@ -354,7 +343,7 @@ def test_plot_refuses_incomplete_results(tmp_path, capsys) -> None:
         path = tmp_path / f"r{i}.json"
         path.write_text(json.dumps(data))
         assert main(["bench", "plot", str(path), "-o", str(tmp_path / "out.png")]) == 2
-        _one_line_error(capsys, f"distcomm bench plot: {path} is not a complete bench collectives --json file: "
+        one_line_error(capsys, f"distcomm bench plot: {path} is not a complete bench collectives --json file: "
                                 f"{why}")
     assert not (tmp_path / "out.png").exists()
     assert plot.results_problem(full) is None
@@ -376,9 +365,9 @@ def test_float_options_must_be_finite(capsys) -> None:
 def test_backend_mpi_needs_mpi(capsys, monkeypatch) -> None:
     """--backend mpi runs distcomm's ranks under mpirun: without MPI it is refused up front, in one line."""
     monkeypatch.setattr(collectives, "mpi_missing", lambda: "mpi4py is not installed (pip install x)")
-    monkeypatch.setattr(collectives, "run_collectives_benchmark", _must_not_run)
+    monkeypatch.setattr(collectives, "run_collectives_benchmark", must_not_run)
     assert main(["bench", "collectives", "--backend", "mpi", "--phases", "timing"]) == 2
-    _one_line_error(capsys, "distcomm bench collectives: --backend mpi runs distcomm's ranks under mpirun, "
+    one_line_error(capsys, "distcomm bench collectives: --backend mpi runs distcomm's ranks under mpirun, "
                             "which cannot run here: mpi4py is not installed")
     CollBenchConfig(backend="tcp").check()  # other backends do not need it
 

@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+from cli_checks import must_not_run, one_line_error
 
 from distcomm.bench import store
 from distcomm.bench._procs import HelperError, one_line
@@ -100,18 +101,6 @@ def test_store_bench_cli_rejects_bad_options(capsys) -> None:
     capsys.readouterr()
 
 
-def _must_not_run(*_a, **_k):
-    raise AssertionError("the benchmark started")
-
-
-def _one_line_error(capsys, *parts: str) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    for part in parts:
-        assert part in err, err
-    return err
-
-
 def test_store_bench_float_options_must_be_finite(capsys) -> None:
     parser = build_parser()
     for bad in (["--timeout", "inf"], ["--timeout", "nan"], ["--duration", "inf"], ["--duration", "0"]):
@@ -126,12 +115,12 @@ def test_store_bench_float_options_must_be_finite(capsys) -> None:
 
 def test_store_bench_host_checked_up_front(capsys, monkeypatch) -> None:
     """A host that does not resolve, or is not this machine's: one line, exit 2, nothing started."""
-    monkeypatch.setattr(store, "run_store_benchmark", _must_not_run)
+    monkeypatch.setattr(store, "run_store_benchmark", must_not_run)
     assert main(["bench", "store", "--host", "bogus.invalid"]) == 2
-    _one_line_error(capsys, "distcomm bench store: --host 'bogus.invalid': cannot resolve it (",
+    one_line_error(capsys, "distcomm bench store: --host 'bogus.invalid': cannot resolve it (",
                     "expected an address of this machine")
     assert main(["bench", "store", "--host", "192.0.2.1"]) == 2  # TEST-NET-1: nobody's address
-    _one_line_error(capsys, "distcomm bench store: --host '192.0.2.1': cannot listen and connect there (")
+    one_line_error(capsys, "distcomm bench store: --host '192.0.2.1': cannot listen and connect there (")
     assert host_problem("127.0.0.1") is None
     StoreBenchConfig().check()
 
@@ -147,7 +136,7 @@ def test_store_bench_server_failure_is_reported_once(capsys, monkeypatch) -> Non
 
     monkeypatch.setattr(store._StoreBench, "_serve", serve)
     assert main(["bench", "store", "--sizes", "4", "--repeat", "2"]) == 1
-    _one_line_error(capsys, "distcomm bench store: the distcomm server cannot start on 127.0.0.1: "
+    one_line_error(capsys, "distcomm bench store: the distcomm server cannot start on 127.0.0.1: "
                             "bench-server-1 failed: OSError: [Errno 98] Address already in use")
     assert calls == ["distcomm"]
 

@@ -33,15 +33,44 @@ import sys
 import time
 from typing import Any
 
-from ._args import emit, positive
+from ._args import add_json_option, emit, positive
 
 #: The DDP target: distcomm's step at most this times gloo's (same run).
 TARGET_RATIO = 0.8
 LAYER = 1024
+#: The torch.distributed backends this benchmark can compare: CPU tensors, ranks started by
+#: ``multiprocessing`` (so not ``mpi``, which needs mpirun, nor ``nccl``, which needs GPUs).
+BACKENDS = ("distcomm", "gloo")
+#: Parameters of one layer (weights and bias), in millions.
+LAYER_MILLIONS = (LAYER * LAYER + LAYER) / 1e6
 
 
 def _layers(params_millions: float) -> int:
-    return max(1, round(params_millions * 1e6 / (LAYER * LAYER + LAYER)))
+    return max(1, round(params_millions / LAYER_MILLIONS))
+
+
+def _backends(text: str) -> list[str]:
+    """An argparse type: ``--backends``, distinct names from :data:`BACKENDS`, comma-separated."""
+    names = [b.strip() for b in text.split(",")]
+    unknown = [b for b in names if b not in BACKENDS]
+    if unknown:
+        what = f"unknown backend {unknown[0]!r}" if unknown[0] else f"an empty backend name in {text!r}"
+        raise argparse.ArgumentTypeError(f"{what}; expected comma-separated names of: "
+                                         f"{', '.join(BACKENDS)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct backends, got {text!r}")
+    return names
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
 
 
 # -- rank side ---------------------------------------------------------------------------------
@@ -221,20 +250,21 @@ def format_results(res: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench ddp``."""
     parser.add_argument("--params", type=positive(float), default=25.0,
-                        help="millions of parameters (default: 25)")
+                        help=f"millions of parameters, rounded to whole {LAYER}x{LAYER} layers of "
+                             f"{LAYER_MILLIONS:.2f} M each, at least one (default: 25)")
     parser.add_argument("--ranks", type=positive(int), default=2, help="processes (default: 2)")
     parser.add_argument("--steps", type=positive(int), default=20, help="timed steps per backend (default: 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    parser.add_argument("--warmup", type=_count, default=3, help="untimed steps first (default: 3)")
     parser.add_argument("--batch", type=positive(int), default=16, help="samples per rank and step (default: 16)")
     parser.add_argument("--threads", type=positive(int), default=1, help="torch threads per rank (default: 1)")
-    parser.add_argument("--backends", default="distcomm,gloo",
-                        help="comma-separated torch.distributed backends; ratios are to the last "
-                             "(default: distcomm,gloo)")
+    parser.add_argument("--backends", type=_backends, default=list(BACKENDS),
+                        help=f"comma-separated torch.distributed backends, of: {', '.join(BACKENDS)}; "
+                             f"ratios are to the last (default: {','.join(BACKENDS)})")
     parser.add_argument("--comm-repeat", type=positive(int), default=5,
                         help="all-reduces of the communication-only line per backend (default: 5)")
     parser.add_argument("--timeout", type=positive(float), default=1800.0,
                         help="seconds the run may take (default: 1800)")
-    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -245,13 +275,10 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None:
         print(f"{prog}: needs torch, which is not installed", file=sys.stderr)
         return 2
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends or len(set(backends)) != len(backends):
-        print(f"{prog}: --backends must list distinct backends, got {args.backends!r}", file=sys.stderr)
-        return 2
-    if args.warmup < 0:
-        print(f"{prog}: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
-        return 2
+    backends = _backends(args.backends) if isinstance(args.backends, str) else list(args.backends)
+    if round(args.params / LAYER_MILLIONS) < 1:  # _layers makes it one
+        print(f"{prog}: --params {args.params:g} is less than one {LAYER}x{LAYER} layer; the model is one "
+              f"layer of {LAYER_MILLIONS:.2f} M parameters", file=sys.stderr)
     config = {"params": args.params, "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
               "batch": args.batch, "threads": args.threads, "backends": backends,
               "comm_repeat": args.comm_repeat}
@@ -260,5 +287,9 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    emit(res, format_results(res), args.json)
+    try:
+        emit(res, format_results(res), args.json)
+    except OSError as e:  # checked up front, but it can still fail (the disk filled up, ...)
+        print(f"{prog}: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0 if res["agree"] else 1

@@ -17,9 +17,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -246,15 +248,53 @@ def format_results(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _runnable_backends() -> list[str]:
+    """distcomm's registered backends that ranks started by this benchmark can use (not
+    ``mpi``: it needs mpirun, see ``distcomm bench mpi``)."""
+    from distcomm.backend_registry import Backend
+
+    return [b for b in Backend.available() if b != "mpi"]
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    """An argparse type: ``--backends``, distinct registered backend names, comma-separated."""
+    from distcomm.backend_registry import resolve_backend
+    from distcomm.errors import DistError
+
+    names = tuple(b.strip() for b in text.split(","))
+    for name in names:
+        what = None
+        if not name:
+            what = f"an empty backend name in {text!r}"
+        else:
+            try:
+                key, _ = resolve_backend(name, "auto")
+            except DistError:
+                what = f"unknown backend {name!r}"
+            else:
+                if key == "mpi":
+                    what = "backend 'mpi' needs mpirun (distcomm bench mpi times it)"
+        if what is not None:
+            raise argparse.ArgumentTypeError(f"{what}; expected comma-separated names of: "
+                                             f"{', '.join(_runnable_backends())}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct backends, got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``distcomm bench debug``."""
     d = DebugBenchConfig()
-    parser.add_argument("--backends", default=",".join(d.backends), help="comma-separated (default: tcp,shm)")
-    add_positive(parser, "-n", "--nproc", kind=int, default=d.nproc, help="ranks")
+    parser.add_argument("--backends", type=_backends, default=d.backends,
+                        help=f"comma-separated distcomm backends (default: {','.join(d.backends)})")
+    add_positive(parser, "-n", "--nproc", kind=int, default=d.nproc,
+                 help=f"ranks of the overhead runs (--failures always runs {FAILURE_RANKS})")
     add_positive(parser, "--bytes", kind=int, default=d.nbytes, help="all_reduce size")
     add_positive(parser, "--iters", kind=int, default=d.iters, help="calls per run")
     add_positive(parser, "--repeat", kind=int, default=d.repeat, help="interleaved runs per mode")
-    parser.add_argument("--failures", action="store_true", help="also time failure reports (SIGKILL, silent rank)")
+    parser.add_argument("--failures", action="store_true",
+                        help=f"also time failure reports (SIGKILL, silent rank), with {FAILURE_RANKS} ranks "
+                             f"whatever -n says")
     add_positive(parser, "--fail-timeout", kind=float, default=d.fail_timeout,
                  help="timeout of the silent-rank runs, seconds")
     add_json_option(parser)
@@ -262,7 +302,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``distcomm bench debug``."""
-    cfg = DebugBenchConfig(backends=tuple(b for b in args.backends.split(",") if b), nproc=args.nproc,
-                           nbytes=args.bytes, iters=args.iters, repeat=args.repeat, failures=args.failures,
-                           fail_timeout=args.fail_timeout)
-    return 0 if run_bench(PROG, cfg, measure, format_results, args.json) is not None else 2
+    backends = _backends(args.backends) if isinstance(args.backends, str) else tuple(args.backends)
+    cfg = DebugBenchConfig(backends=backends, nproc=args.nproc, nbytes=args.bytes, iters=args.iters,
+                           repeat=args.repeat, failures=args.failures, fail_timeout=args.fail_timeout)
+    results = run_bench(PROG, cfg, measure, format_results, None)
+    if results is None:
+        return 2
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+                f.write("\n")
+        except OSError as e:  # checked up front, but it can still fail (the disk filled up, ...)
+            print(f"{PROG}: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.json}")
+    return 0

@@ -28,43 +28,76 @@ restarted replica contributing within 2 s; zero inconsistencies, zero hangs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+
+from ._args import add_json_option, positive
 
 __all__ = ["add_arguments", "run"]
 
 HEARTBEAT_TIMEOUT = 2.0
 
 
+def _at_least(kind: type, low: float, why: str = "") -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)``, finite and >= ``low``."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (v >= low and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"expected {what} >= {low:g}{why}, got {text!r}")
+        return v
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--grad-mb", type=float, default=10.0, help="gradient size of the overhead step")
-    parser.add_argument("--compute-ms", type=float, default=30.0, help="rough compute per step")
-    parser.add_argument("--overhead-steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=5, help="overhead: interleaved rounds (median ratio)")
-    parser.add_argument("--steps", type=int, default=300, help="chaos: committed steps")
-    parser.add_argument("--kills", type=int, default=20, help="chaos: SIGKILLs")
-    parser.add_argument("--state-mb", type=float, default=10.0, help="chaos: model state (weights + momentum)")
-    parser.add_argument("--step-sleep", type=float, default=0.05, help="chaos: extra time per step")
-    parser.add_argument("--ranks-per-replica", type=int, default=1, help="chaos: processes per replica")
-    parser.add_argument("--chaos-replicas", type=int, default=3, help="chaos: replicas")
+    def number(flag: str, kind: type, default: Any, help: str, low: float | None = None, why: str = "") -> None:
+        kind_type = positive(kind) if low is None else _at_least(kind, low, why)
+        shown = f"{default:g}" if kind is float else default
+        parser.add_argument(flag, type=kind_type, default=default, help=f"{help} (default: {shown})")
+
+    number("--replicas", int, 3, "overhead: processes, each a replica")
+    number("--grad-mb", float, 10.0, "overhead: MB of gradients all-reduced per step")
+    number("--compute-ms", float, 30.0, "overhead: rough compute per step, ms", low=0)
+    number("--overhead-steps", int, 60, "overhead: steps per variant and round", low=4,
+           why=" (the first 3 are warm-up)")
+    number("--rounds", int, 5, "overhead: interleaved rounds; the median ratio is reported")
+    number("--steps", int, 300, "chaos: committed steps")
+    number("--kills", int, 20, "chaos: SIGKILLs", low=0)
+    number("--state-mb", float, 10.0, "chaos: MB of model state, weights and momentum")
+    number("--step-sleep", float, 0.05, "chaos: extra seconds per step", low=0)
+    number("--ranks-per-replica", int, 1, "chaos: processes per replica")
+    number("--chaos-replicas", int, 3, "chaos: replicas, at least 2", low=2,
+           why=" (the others go on while one is killed)")
     parser.add_argument("--bytecode-cache", action="store_true",
                         help="chaos: replicas cache bytecode (as an installed package); default: as this "
                              "environment says (PYTHONDONTWRITEBYTECODE)")
-    parser.add_argument("--startup-runs", type=int, default=7, help="startup: runs of each variant")
-    parser.add_argument("--skip-overhead", action="store_true")
-    parser.add_argument("--skip-chaos", action="store_true")
-    parser.add_argument("--skip-startup", action="store_true")
-    parser.add_argument("--json", help="write the results here")
+    number("--startup-runs", int, 7, "startup: runs of each variant")
+    parser.add_argument("--skip-overhead", action="store_true",
+                        help="do not measure the overhead (default: measure it)")
+    parser.add_argument("--skip-chaos", action="store_true",
+                        help="do not run the chaos run (default: run it)")
+    parser.add_argument("--skip-startup", action="store_true",
+                        help="do not time the start-up (default: time it)")
+    add_json_option(parser)
 
 
 # -- overhead ------------------------------------------------------------------------------------
@@ -145,7 +178,7 @@ def overhead(args: argparse.Namespace) -> dict:
     from distcomm.ft import LighthouseThread
     from distcomm.testing import free_port, run_ranks
 
-    elems = int(args.grad_mb * 1e6 / 4)
+    elems = max(1, int(args.grad_mb * 1e6 / 4))
     mat = _size_for(args.compute_ms)
     steps = args.overhead_steps
     rounds = []
@@ -186,13 +219,18 @@ def chaos(args: argparse.Namespace) -> dict:
            "--min-replicas", str(min(2, args.chaos_replicas - 1)),
            *(["--bytecode-cache"] if args.bytecode_cache else []),
            "--deadline", str(max(600, args.steps * 3)), "--json", out]
+    with contextlib.suppress(OSError):
+        os.unlink(out)  # a stale one is no result of this run
     proc = subprocess.run(cmd, capture_output=True, text=True)
     try:
         with open(out) as f:
             report = json.load(f)
-        os.unlink(out)
     except (OSError, ValueError):
-        return {"error": f"chaos.py exited {proc.returncode}: {proc.stderr[-2000:]}"}
+        return {"error": f"examples/chaos.py {_exit_text(proc.returncode)}: {_last_error(proc.stderr)}",
+                "stderr": proc.stderr[-4000:]}
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(out)
     state_mb = 2 * (dim * hidden + 2 * hidden + 1) * 4 / 1e6  # over all ranks of a replica
     resume = report["survivor_resume_s"]
     back = report["restart_contributing_s"]
@@ -206,6 +244,21 @@ def chaos(args: argparse.Namespace) -> dict:
     }
     report["command"] = " ".join(["python"] + cmd[1:-2])
     return report
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _last_error(stderr: str) -> str:
+    """The last non-empty line of a child's stderr (a traceback's last line says what went wrong)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else "it printed nothing on stderr"
 
 
 # -- startup -------------------------------------------------------------------------------------
@@ -299,13 +352,20 @@ def run(args: argparse.Namespace) -> int:
                   f"{'all passed' if c['ok'] else c['problems']}; step time {c['step_time_s']}; "
                   f"{c['seconds']} s; final loss {c['final_eval_loss']:.5f} vs failure-free "
                   f"{c['reference_eval_loss']:.5f}")
+        elif "error" in c:
+            print(f"distcomm bench ft: the chaos run failed: {c['error']}", file=sys.stderr, flush=True)
         else:
-            print(f"  {c}")
+            print(f"  skipped: {c.get('skipped', c)}")
     results["load_average"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average (1, 5, 15 min): {results['load_average_start']} at the start, "
           f"{results['load_average']} at the end")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        except OSError as e:  # checked up front, but it can still fail (the disk filled up, ...)
+            print(f"distcomm bench ft: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    failed = "error" in results.get("chaos", {})
     ok = results.get("overhead", {}).get("ok", True) and results.get("chaos", {}).get("ok", True)
-    return 0 if ok else 1
+    return 0 if ok and not failed else 1

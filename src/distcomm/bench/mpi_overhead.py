@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -39,7 +41,7 @@ import time
 from typing import Any
 
 from ..backends.mpi import MODES
-from ._args import emit, positive
+from ._args import add_json_option, emit, positive
 from ._coll_mpi import find_mpirun, mpi_missing
 from ._coll_report import size_text, time_text
 from ._procs import _child_env, _die_with_parent
@@ -147,9 +149,92 @@ def _rank_main(out_path: str, config: dict[str, Any]) -> None:
 # -- main process --------------------------------------------------------------------------------
 
 
+#: Set (to a per-run token) in the environment of the job's mpirun, which its ranks inherit: how
+#: :func:`_kill_job` finds every process of this run, even one that left mpirun's session.
+RUN_MARK = "DISTCOMM_BENCH_MPI_RUN"
+
+
+def _job_pids(session: int | None, mark: str) -> list[int]:
+    """Live processes of the job: with ``RUN_MARK=mark`` in their environment or (if
+    ``session`` is given) in mpirun's session ``session``; a zombie has neither."""
+    needle = f"{RUN_MARK}={mark}".encode()
+    me = os.getpid()
+    pids = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(b")") + 2:].split()
+            if fields[0] == b"Z":
+                continue
+            if session is not None and int(fields[3]) == session:
+                pids.append(int(name))
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return pids
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _kill_job(proc: subprocess.Popen, mark: str, wait: float = 10.0) -> None:
+    """SIGKILL mpirun and every rank of its job, and return once they are gone (or after
+    ``wait`` seconds).  The ranks run in process groups of their own, and one that had not
+    set its parent-death signal yet would outlive mpirun: they are found by mpirun's session
+    (while mpirun is not reaped, so that its id cannot have been reused) and by ``mark``."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _kill(_job_pids(proc.pid, mark))
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.monotonic() + wait
+    while True:
+        pids = _job_pids(None, mark)
+        if not pids or time.monotonic() > deadline:
+            return
+        _kill(pids)
+        time.sleep(0.02)
+
+
+def _shm_dir(fallback: str) -> str:
+    """A directory of this run's own for Open MPI's shared-memory segments: in /dev/shm
+    (where Open MPI puts them by default) if it can, else ``fallback``."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        try:
+            return tempfile.mkdtemp(prefix="distcomm-bench-mpi-", dir="/dev/shm")
+        except OSError:
+            pass
+    return fallback
+
+
 def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seconds: float, mode: str,
                      timeout: float) -> dict[str, Any]:
-    """Run the MPI job; return its results (raises RuntimeError with mpirun's output tail on failure)."""
+    """Run the MPI job; return its results (raises RuntimeError with mpirun's output tail on failure).
+
+    mpirun gets a temporary directory of its own as TMPDIR (Open MPI's session directory goes
+    there) and one for its shared-memory segments; both are removed afterwards, and on a
+    timeout mpirun and all its ranks are killed first, so a failed run leaves nothing behind.
+    """
     mpirun = find_mpirun()
     assert mpirun is not None
     env = _child_env()
@@ -162,22 +247,33 @@ def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seco
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="distcomm-bench-mpi-") as tmp:
         out, log_path = os.path.join(tmp, "out.json"), os.path.join(tmp, "mpirun.log")
+        shm = _shm_dir(tmp)
+        mark = secrets.token_hex(8)
+        env.update({"TMPDIR": tmp, RUN_MARK: mark, "OMPI_MCA_btl_sm_backing_directory": shm,
+                    "OMPI_MCA_osc_sm_backing_directory": shm})
         cmd = [mpirun, "--oversubscribe", "-n", str(nproc), sys.executable, "-m", __name__, out,
                json.dumps(config)]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
-            try:
-                code: int | None = proc.wait(timeout)
-            except BaseException:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                code = None
+        try:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                code: int | None = None
+                try:
+                    code = proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+                finally:
+                    _kill_job(proc, mark)  # on a timeout (or Ctrl-C) the whole job; else any straggler
+        finally:
+            if shm != tmp:
+                shutil.rmtree(shm, ignore_errors=True)
         if code != 0 or not os.path.exists(out):
             with open(log_path, errors="replace") as f:
-                tail = " | ".join(f.read().splitlines()[-8:])
-            what = f"timed out after {timeout:g} s" if code is None else f"exited with code {code}"
-            raise RuntimeError(f"mpirun -n {nproc} {what}; its output ends: {tail}")
+                tail = " | ".join(line for line in f.read().splitlines()[-8:] if line.strip())
+            what = (f"timed out after {timeout:g} s (see --timeout)" if code is None
+                    else f"exited with code {code}" if code != 0 else "wrote no results")
+            said = f"its output ends: {tail}" if tail else "it printed nothing"
+            raise RuntimeError(f"mpirun -n {nproc} {what}; {said}")
         with open(out) as f:
             results = json.load(f)
     results.update(nproc=nproc, mode=mode, repeat=repeat, elapsed_s=time.monotonic() - t0,
@@ -228,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DISTCOMM_MPI_COLLECTIVES for distcomm's calls (default: auto)")
     parser.add_argument("--timeout", type=positive(float), default=900.0,
                         help="seconds the MPI job may take (default: 900)")
-    parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,7 +340,11 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    emit(results, format_results(results), args.json)
+    try:
+        emit(results, format_results(results), args.json)
+    except OSError as e:  # checked up front, but it can still fail (the disk filled up, ...)
+        print(f"{prog}: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0 if all(s["correct"] for s in results["sizes"]) else 1
 
 
