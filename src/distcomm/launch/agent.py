@@ -101,7 +101,7 @@ class Agent:
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = socket.socketpair()
         self.log_root: str | None = None
-        self.copies: dict[tuple[int, str], LineCopy] = {}  # (attempt, stream) -> filtered_*.log
+        self.copies: dict[str, LineCopy] = {}  # stream -> this attempt's filtered_*.log
 
     # -- signals -------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -268,10 +268,9 @@ class Agent:
         needles = self.cfg.duplicate_filters[index]
         if not needles:
             return None
-        key = (self.attempt, name)
-        if key not in self.copies:
-            self.copies[key] = LineCopy(_open_log(self._log_path(f"filtered_{name}.log")), needles)
-        return self.copies[key]
+        if name not in self.copies:  # (emptied when an attempt starts)
+            self.copies[name] = LineCopy(_open_log(self._log_path(f"filtered_{name}.log")), needles)
+        return self.copies[name]
 
     def _close_copies(self) -> None:
         for copy in self.copies.values():
