@@ -206,20 +206,45 @@ def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:
         y = np.ones(world_size * count)
         dist.all_reduce(y)
         return bool((y == world_size).all())
-    assert case == "reduce roots", case  # rank 0 reduces into itself, the others into rank 1
-    dst = 0 if first else 1
-    dist.reduce(x, dst=dst)
-    return rank != dst or bool((x == world_size).all())
+    if case == "reduce roots":  # rank 0 reduces into itself, the others into rank 1
+        dst = 0 if first else 1
+        dist.reduce(x, dst=dst)
+        return rank != dst or bool((x == world_size).all())
+    # Rank 0 broadcasts (scatters) from itself, the others from rank 1: both roots only send,
+    # and no rank waits for the other root.  Over TCP the roots find out at the next call.
+    src = 0 if first else 1
+    if case == "broadcast roots":
+        x = np.full(count, float(rank))
+        dist.broadcast(x, src=src)
+        ok = bool((x == src).all())
+    else:
+        assert case == "scatter roots", case
+        blocks = [np.full(count, float(src * 10 + r)) for r in range(world_size)]
+        dist.scatter(x, blocks if rank == src else None, src=src)
+        ok = bool((x == src * 10 + rank).all())
+    y = np.ones(4)
+    dist.all_reduce(y)
+    return ok and bool((y == world_size).all())
 
 
 @pytest.mark.parametrize("count", [4, 200_000], ids=["small", "large"])
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 @pytest.mark.parametrize("case", ["all_reduce/broadcast", "all_reduce/barrier", "all_gather/all_reduce",
-                                  "reduce roots"])
+                                  "reduce roots", "broadcast roots", "scatter roots"])
 def test_ranks_that_call_different_collectives_get_an_error(backend, case, count):
     """Every collective's first phase (shared memory) or message (TCP) says which it is: a rank
     whose peer made another call raises at once instead of returning what that call wrote."""
     results = run_world(_disagreeing, 3, backend, _calls_disagree, case, count, timeout=45)
+    _check_disagreeing(results)
+    assert any("the ranks' calls differ" in (r["error"] or "") for r in results), results
+
+
+@pytest.mark.parametrize("count", [4, 200_000], ids=["small", "large"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["broadcast roots", "scatter roots"])
+def test_two_ranks_that_each_think_they_are_the_root_get_an_error(backend, case, count):
+    """Two ranks, each the root of its own call: nobody receives what the other sends."""
+    results = run_world(_disagreeing, 2, backend, _calls_disagree, case, count, timeout=45)
     _check_disagreeing(results)
     assert any("the ranks' calls differ" in (r["error"] or "") for r in results), results
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -457,11 +459,14 @@ def test_ranks_die_with_a_killed_caller(tmp_path, context):
     script.write_text(ORPHAN_SCRIPT)
     pids = tmp_path / "pids"
     pids.mkdir()
-    scratch = tmp_path / "tmp"  # the killed caller cannot remove its run_ranks directory
-    scratch.mkdir()
+    # the killed caller cannot remove its run_ranks directory; a short path, since the
+    # forkserver's socket goes there too (AF_UNIX paths end at 107 bytes: under pytest-xdist
+    # tmp_path is too long)
+    scratch = tempfile.mkdtemp(prefix="dc-orphan-")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-               TMPDIR=str(scratch))
+               TMPDIR=scratch)
     caller = subprocess.Popen([sys.executable, str(script), str(pids), context], env=env)
+    rank_pids: list[int] = []
     try:
         deadline = time.monotonic() + 30
         while len(list(pids.glob("*.pid"))) < 2:
@@ -473,7 +478,10 @@ def test_ranks_die_with_a_killed_caller(tmp_path, context):
     finally:
         caller.kill()
         caller.wait()
-    deadline = time.monotonic() + 10
-    while any(pid_alive(pid) for pid in rank_pids):
-        assert time.monotonic() < deadline, f"ranks {rank_pids} outlived their caller"
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while any(pid_alive(pid) for pid in rank_pids):
+            assert time.monotonic() < deadline, f"ranks {rank_pids} outlived their caller"
+            time.sleep(0.05)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

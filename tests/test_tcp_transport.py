@@ -398,3 +398,71 @@ def test_the_matcher_fails_a_receive_whose_peer_sent_for_another_collective_of_t
     told = [m.calls_to_tell(every=3) for _ in range(6)]
     assert [len(t) for t in told] == [0, 1, 0, 0, 1, 0]
     assert told[1] == [(1, 7, waiting.tag)]
+
+
+def test_the_matcher_finds_messages_of_calls_this_rank_finished_without_them():
+    """Two roots that only send never wait on each other: the message of a call that no
+    receive took is found when the rank starts its next call, or when it arrives after."""
+    from distcomm.transport.base import COLLECTIVE_CODES, coded_seq
+    from distcomm.transport.matching import Matcher, RecvRequest
+
+    ar, bc = COLLECTIVE_CODES["all_reduce"], COLLECTIVE_CODES["broadcast"]
+    members = {0: 0, 4: 1}  # process rank 4 is group rank 1
+
+    def tag(seq, code, root=None, step=0):
+        return collective_tag(coded_seq(seq, code, root), step)
+
+    # a message of call 3 arrives, this rank takes it in call 3: nothing wrong
+    m = Matcher()
+    assert m.begin(7, tag(3, bc, 0), members) is None
+    m.keep_early(4, 7, tag(3, bc, 0, step=2), b"x" * 8)
+    data, _ = m.post(RecvRequest(4, 7, tag(3, bc, 0, step=2), memoryview(bytearray(8)), members))
+    assert data == b"x" * 8
+    assert m.begin(7, tag(4, ar), members) is None and not m.held
+
+    # rank 4 was the root of its own broadcast 4 (this rank's root was 0): its message is
+    # here when this rank starts call 5
+    m.keep_early(4, 7, tag(5, ar), b"y" * 8)  # a later call: fine
+    assert m.begin(7, tag(4, ar), members) is None  # (call 4 again: e.g. a second part)
+    assert m.begin(7, tag(5, ar), members) is None  # call 5's message is not stale in call 5
+    m.keep_early(4, 7, tag(4, bc, 1), b"z" * 8)  # one of call 4, arriving during call 5
+    waiting = RecvRequest(4, 7, tag(5, ar, step=1), memoryview(bytearray(8)), members)
+    assert m.post(waiting)[0] is None and waiting.done()
+    text = str(waiting.error)
+    assert text == ("rank 4 (group rank 1) sent this rank data of its broadcast with root 1 (seq 4), which this "
+                     "rank finished without it (it is now in all_reduce (seq 5)): the ranks' calls differ")
+    assert m.begin(7, tag(6, ar), members) is not None  # and every later call of the group
+    assert m.begin(8, tag(6, ar), members) is None  # another group is not touched
+    assert m.failing == [(7, waiting.error)]
+
+    # the message is here before this rank moves on; the next call finds it
+    m = Matcher()
+    m.begin(7, tag(1, bc, 0), members)
+    m.keep_early(4, 7, tag(1, bc, 1), b"x" * 8)  # same call, other root: a clash with my call
+    assert m.stale[7].args[0].startswith("rank 4 (group rank 1) called broadcast with root 1")
+    m = Matcher()
+    m.keep_early(4, 7, tag(1, bc, 1), b"x" * 8)  # here before this rank's call 1 began
+    assert m.begin(7, tag(1, bc, 1), members) is None
+    error = m.begin(7, tag(2, ar), members)
+    assert error is not None and "broadcast with root 1 (seq 1)" in str(error)
+
+    # the debug checks number their calls in spaces of their own
+    m = Matcher()
+    m.begin(7, tag(9, ar), members)
+    m.keep_early(4, 7, tag(3 + (1 << 37), COLLECTIVE_CODES["all_gather"]), b"x" * 8)
+    assert not m.stale and m.begin(7, tag(10, ar), members) is None
+
+    # a call every rank gave up on (DETAIL): what it sent is dropped, now and later
+    m = Matcher()
+    m.begin(7, tag(1, ar), members)
+    m.keep_early(4, 7, tag(1, ar, step=3), b"x" * 8)
+    assert m.abandon(7, tag(1, bc, 0)) == [b"x" * 8] and m.early_bytes == 0
+    m.keep_early(4, 7, tag(1, ar, step=4), b"x" * 8)
+    assert not m.early and m.begin(7, tag(2, ar), members) is None
+
+    # destroying the group drops what is held and names the calls nobody took
+    m.keep_early(4, 7, tag(2, ar), b"x" * 8)
+    m.keep_early(4, 7, 99, b"p" * 4)  # a point-to-point message: not a call
+    payloads, untaken = m.forget(7)
+    assert sorted(payloads) == [b"p" * 4, b"x" * 8] and m.early_bytes == 0 and not m.early
+    assert untaken == ["rank 4 (group rank 1) sent data of its all_reduce (seq 2) that this rank never took"]

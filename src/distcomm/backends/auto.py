@@ -21,6 +21,7 @@ one machine look like several).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from ..backend_registry import Backend, BackendFactory
 from ..deadline import Deadline
 from ..store import PrefixStore, Store
 from ..store.exchange import all_gather_strings
+from ..transport.base import COLLECTIVE_CODES as _CODES
 from ..transport.shm_segment import host_key
 from .channel_group import ChannelAlgorithms, ChannelProcessGroup
 from .shm import ShmProcessGroup
@@ -60,16 +62,28 @@ class _Hierarchical:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.full, name)  # the collectives without a hierarchical form
 
+    def _told(self, seq: int, code: int, root: int | None = None) -> Callable[[], None]:
+        """Tell the full group (whose messages flow only in the collectives without a
+        hierarchical form) of this call, before and after it: a message a peer's earlier call
+        sent there and this rank never took is an error (:meth:`ChannelAlgorithms.start_call`).
+        After: it may arrive while this call runs, and on a leader it has by the time the
+        leaders' part is done (the same connection carries both)."""
+        coded = self.full.start_call(seq, code, root)
+        return lambda: self.full.channel.begin_call(coded)
+
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
+        after = self._told(seq, _CODES["all_reduce"])
         self.local.reduce(arr, combine, 0, seq, deadline)
         if self.leaders is not None:
             self.leaders.allreduce(arr, combine, seq, deadline)
         self.local.broadcast(arr, 0, seq, deadline)
+        after()
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
         self.allreduce(arr, combine, seq, deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
+        after = self._told(seq, _CODES["broadcast"], root)
         home = self.machine[root]
         mine = self.machine[self.me]
         if mine == home:
@@ -78,12 +92,15 @@ class _Hierarchical:
             self.leaders.broadcast(arr, home, seq, deadline)
         if mine != home:
             self.local.broadcast(arr, 0, seq, deadline)
+        after()
 
     def barrier(self, seq: int, deadline: Deadline) -> None:
+        after = self._told(seq, _CODES["barrier"])
         self.local.barrier(seq, deadline)
         if self.leaders is not None:
             self.leaders.barrier(seq, deadline)
         self.local.barrier(seq, deadline)
+        after()
 
 
 class HierarchicalProcessGroup(ChannelProcessGroup):

@@ -68,36 +68,44 @@ class ChannelAlgorithms:
         self._staging = staging
         self._scratch = algo.Scratch()  # one collective runs at a time
 
+    def start_call(self, seq: int, code: int, root: int | None = None) -> int:
+        """``seq`` coded for collective ``code`` (and its root); the channel is told the call
+        starts (it raises if a message of an earlier call was never taken: see
+        :meth:`~distcomm.transport.base.Channel.begin_call`)."""
+        coded = coded_seq(seq, code, root)
+        self.channel.begin_call(coded)
+        return coded
+
     def barrier(self, seq: int, deadline: Deadline) -> None:
-        algo.barrier(self.channel, coded_seq(seq, _BARRIER), deadline)
+        algo.barrier(self.channel, self.start_call(seq, _BARRIER), deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
-        algo.broadcast(self.channel, arr, root, coded_seq(seq, _BROADCAST, root), deadline)
+        algo.broadcast(self.channel, arr, root, self.start_call(seq, _BROADCAST, root), deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        algo.allreduce(self.channel, arr, combine, coded_seq(seq, _ALLREDUCE), deadline,
+        algo.allreduce(self.channel, arr, combine, self.start_call(seq, _ALLREDUCE), deadline,
                        scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        algo.reduce(self.channel, arr, combine, root, coded_seq(seq, _REDUCE, root), deadline,
+        algo.reduce(self.channel, arr, combine, root, self.start_call(seq, _REDUCE, root), deadline,
                     scratch=self._scratch)
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
-        algo.allgather(self.channel, out, coded_seq(seq, _ALLGATHER), deadline, scratch=self._scratch)
+        algo.allgather(self.channel, out, self.start_call(seq, _ALLGATHER), deadline, scratch=self._scratch)
 
     def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
                deadline: Deadline) -> None:
-        algo.gather(self.channel, send, out, root, coded_seq(seq, _GATHER, root), deadline)
+        algo.gather(self.channel, send, out, root, self.start_call(seq, _GATHER, root), deadline)
 
     def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
                 deadline: Deadline) -> None:
-        algo.scatter(self.channel, buf, out, root, coded_seq(seq, _SCATTER, root), deadline)
+        algo.scatter(self.channel, buf, out, root, self.start_call(seq, _SCATTER, root), deadline)
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Any, seq: int,
                        deadline: Deadline) -> None:
         """``out`` = this rank's block of the reduction; ``inp`` stays intact
         unless it is the group's own reduce_scatter staging buffer."""
-        seq = coded_seq(seq, _REDUCE_SCATTER)
+        seq = self.start_call(seq, _REDUCE_SCATTER)
         if algo.select.reduce_scatter_algorithm(inp.nbytes, self.channel.size) == "direct":
             # reads inp as it is: no staging copy
             algo.direct_reduce_scatter(self.channel, inp, out, combine, seq, deadline, scratch=self._scratch)
@@ -109,7 +117,7 @@ class ChannelAlgorithms:
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
                  send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
-        algo.alltoall(self.channel, send, recv, coded_seq(seq, _ALLTOALL), deadline,
+        algo.alltoall(self.channel, send, recv, self.start_call(seq, _ALLTOALL), deadline,
                       send_counts=send_counts, recv_counts=recv_counts)
 
 

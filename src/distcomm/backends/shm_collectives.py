@@ -91,9 +91,15 @@ from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistDesyncError
 from ..memcopy import copy_into
-from ..transport.base import COLLECTIVE_CODES, COLLECTIVE_NAMES, clash_text
+from ..transport.base import (
+    COLLECTIVE_CODES,
+    COLLECTIVE_NAMES,
+    call_clash_text,
+    clash_text,
+    root_mark,
+)
 from ..transport.shm_cma import PeerReader
-from ..transport.shm_sync import Control
+from ..transport.shm_sync import CALL_WORDS, LINE_WORDS, Control
 
 __all__ = ["ShmCollectives", "HEADER"]
 
@@ -200,6 +206,9 @@ class ShmCollectives:
         self._next = [0] * self.size  # the slot each rank writes next
         self._zeros, self._ones = [0] * self.size, [1] * self.size
         self._peers_from_next = [(self.rank + k) % self.size for k in range(1, self.size)]
+        self._call_words = control.line_words  # (see _mark_rooted)
+        self._my_calls = self.rank * LINE_WORDS + 2
+        self._peer_calls = [(j, j * LINE_WORDS + 2) for j in self._peers_from_next]
         self._free_at = [0, 0]  # my slot b is free once every rank posted this phase
         self._typed: dict[np.dtype, list[list[np.ndarray]]] = {}
         self._last_dtype: np.dtype | None = None  # the last _views answer, checked by identity
@@ -301,6 +310,26 @@ class ShmCollectives:
             why = (f"{who} passed {theirs} bytes where this rank passed {nbytes} ({what}): the "
                    "ranks passed arrays of different sizes")
         raise DistBackendError(why, peer=self.ctl.global_rank(j))
+
+    def _mark_rooted(self, q: int, code: int, root: int) -> int:
+        """Publish beside my counter that this rank calls ``code`` with ``root`` at phase ``q``
+        (before posting it); returns the mark.  For the rooted collectives whose non-roots
+        read the root's slot alone, so that ranks disagreeing on the root find out."""
+        mark = q << 12 | root_mark(root) << 4 | code
+        self._call_words[self._my_calls + q % CALL_WORDS] = mark
+        return mark
+
+    def _check_rooted(self, q: int, mark: int) -> None:
+        """Raise if a peer marked another call than ``mark`` at phase ``q`` (whichever of two
+        disagreeing ranks gets there last finds the other's mark; a peer not there yet, or
+        gone further, is skipped)."""
+        words, at = self._call_words, q % CALL_WORDS
+        for j, base in self._peer_calls:
+            theirs = words[base + at]
+            if theirs != mark and theirs >> 12 == q:
+                call, mine = theirs & 0xFFF, mark & 0xFFF
+                raise DistBackendError(call_clash_text(self.ctl.describe(j), call & 15, call >> 4, mine & 15,
+                                                       mine >> 4), peer=self.ctl.global_rank(j))
 
     def _check_all(self, used: list[int], q: int, code: int, nbytes: int | None, what: str = "") -> None:
         """``_check`` every peer's slot of phase ``q`` (once every rank posted it)."""
@@ -550,6 +579,8 @@ class ShmCollectives:
             q = self._begin()
             b = self._one_writes(root, deadline)
             slot = self.slots[root][b][HEADER : HEADER + part.size]
+            if lo == 0:
+                call = self._mark_rooted(q, _CODES["broadcast"], root)
             if me == root:
                 if lo == 0:
                     self._say(b, q, _CODES["broadcast"], data.size)
@@ -561,6 +592,8 @@ class ShmCollectives:
                     slot[:] = part
                 self.ctl.post(q)
                 self._read_until(b, q)
+                if lo == 0:
+                    self._check_rooted(q, call)
                 if off >= 0:
                     self.direct_calls += 1
                     self._finish_direct(deadline)  # non-roots copied from my array
@@ -569,6 +602,7 @@ class ShmCollectives:
                 self.ctl.post(q)
                 self.ctl.wait(root, q, deadline)
                 if lo == 0:
+                    self._check_rooted(q, call)
                     self._check(root, b, q, _CODES["broadcast"], data.size, "the root's array")
                 if lo == 0 and heads and self._copy_announced(data, root, self._headers[root][b]):
                     q2 = self._begin()
@@ -713,6 +747,8 @@ class ShmCollectives:
             q = self._begin()
             b = self._one_writes(root, deadline)
             slot = views[root][b]
+            if lo == 0:
+                call = self._mark_rooted(q, _CODES["scatter"], root)
             if me == root:
                 for d in range(n):
                     if d != root:
@@ -721,10 +757,13 @@ class ShmCollectives:
                     self._say(b, q, _CODES["scatter"], out.nbytes)
                 self.ctl.post(q)
                 self._read_until(b, q)
+                if lo == 0:
+                    self._check_rooted(q, call)
             else:
                 self.ctl.post(q)
                 self.ctl.wait(root, q, deadline)
                 if lo == 0:
+                    self._check_rooted(q, call)
                     self._check(root, b, q, _CODES["scatter"], out.nbytes, "one rank's block")
                 out[lo : lo + k] = slot[me * per : me * per + k]
 

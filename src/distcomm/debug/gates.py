@@ -108,7 +108,9 @@ class ChannelGate:
             raise timeout_error(e, op) from e
         if self.checker.agree(seq, info, h):
             return
-        raise self.checker.desync_error(op, seq, self._exchange_calls(op, seq, info, deadline))
+        calls = self._exchange_calls(op, seq, info, deadline)
+        self.pg.channel.abandon_call(seq)  # peers' first small messages of it may be here
+        raise self.checker.desync_error(op, seq, calls)
 
     def _exchange_calls(self, op: str, seq: int, info: tuple, deadline: Deadline) -> list[dict[str, Any]]:
         """Every rank's description of its call, straight over the channel."""

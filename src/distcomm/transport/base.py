@@ -31,7 +31,7 @@ from ..errors import DistBackendError, DistInputError, DistTypeError
 __all__ = [
     "Channel", "Request", "collective_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
     "EAGER_STEP", "is_eager", "orphaned_error", "COLLECTIVE_CODES", "COLLECTIVE_NAMES", "coded_seq",
-    "tag_code", "clashes", "clash_text", "tag_clash_text",
+    "tag_code", "clashes", "clash_text", "tag_clash_text", "call_of", "CALL_MASK", "CALL_SPACE_MASK", "against", "EARLIER", "CLASHING", "call_text", "stale_text", "call_clash_text", "root_mark",
 ]
 
 _COLLECTIVE = 1 << 62
@@ -64,8 +64,7 @@ _CALL_MASK = (_COLLECTIVE | ((1 << 38) - 1) << _SEQ_SHIFT) & ~(_CALL_FIELDS << _
 def coded_seq(seq: int, code: int, root: int | None = None) -> int:
     """``seq`` carrying the code of the collective it numbers and its root (for
     :func:`collective_tag`)."""
-    mark = 0 if root is None else 1 + root % 255
-    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | mark << _ROOT_SHIFT
+    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | root_mark(root) << _ROOT_SHIFT
 
 
 def tag_code(tag: int) -> int:
@@ -96,11 +95,68 @@ def clash_text(who: str, theirs: int, mine: int) -> str:
 def tag_clash_text(who: str, theirs: int, mine: int) -> str:
     """:func:`clash_text` for two tags that :func:`clashes` (another collective, or the same
     one with another root)."""
-    if tag_code(theirs) != tag_code(mine):
-        return clash_text(who, tag_code(theirs), tag_code(mine))
-    return (f"{who} called {COLLECTIVE_NAMES.get(tag_code(mine), '?')} with root "
-            f"{_tag_root(theirs) - 1} where this rank called it with root {_tag_root(mine) - 1} "
-            "(group ranks, modulo 255): the ranks' calls differ")
+    return call_clash_text(who, tag_code(theirs), _tag_root(theirs), tag_code(mine), _tag_root(mine))
+
+
+def call_clash_text(who: str, theirs: int, their_mark: int, mine: int, my_mark: int) -> str:
+    """:func:`clash_text` for calls given as codes and root marks (1 + root % 255; 0: none)."""
+    if theirs != mine:
+        return clash_text(who, theirs, mine)
+    return (f"{who} called {COLLECTIVE_NAMES.get(mine, '?')} with root {their_mark - 1} where "
+            f"this rank called it with root {my_mark - 1} (group ranks, modulo 255): the ranks' "
+            "calls differ")
+
+
+def root_mark(root: int | None) -> int:
+    """How a call's root is written beside its code: 1 + root % 255 (0: no root)."""
+    return 0 if root is None else 1 + root % 255
+
+
+def call_of(tag: int) -> int:
+    """The call a coded collective tag belongs to, whatever its step, code and root: its
+    number and sequence space (two tags of one call give the same answer)."""
+    return tag & CALL_MASK
+
+
+#: The bits of a collective tag that name its call (:func:`call_of`), and of those the
+#: call's sequence space (the group's own calls, or one of the debug checks'): calls are
+#: numbered in order within one space.
+CALL_MASK = _CALL_MASK
+CALL_SPACE_MASK = _CALL_MASK & ~(MAX_STEP << _SEQ_SHIFT)
+_NUMBER_MASK = MAX_STEP << _SEQ_SHIFT  # a call's number (modulo 2**24) in a tag
+_HALF_NUMBERS = 1 << (_SEQ_SHIFT - 1) << _SEQ_SHIFT
+_KIND_MASK = _CALL_FIELDS << _SEQ_SHIFT  # a call's code and root in a tag
+#: What :func:`against` finds.
+EARLIER, CLASHING = 1, 2
+
+
+def against(tag: int, now: int) -> int:
+    """How coded collective tag ``tag`` (a message's) relates to ``now`` (the call this rank
+    is in): :data:`EARLIER` for an earlier call of the same space (numbers compared modulo
+    2**24, up to half of it back), :data:`CLASHING` for the same call of another collective
+    or root, 0 otherwise (a later call, another space, or the same call alike)."""
+    if (tag ^ now) & CALL_SPACE_MASK:
+        return 0
+    back = ((now & _NUMBER_MASK) - (tag & _NUMBER_MASK)) & _NUMBER_MASK
+    if back == 0:
+        return CLASHING if (tag ^ now) & _KIND_MASK else 0
+    return EARLIER if back < _HALF_NUMBERS else 0
+
+
+def call_text(tag: int) -> str:
+    """A coded collective tag's call as errors name it: ``broadcast with root 1 (seq 7)``."""
+    seq = (tag & ~_COLLECTIVE) >> _SEQ_SHIFT & ~_CALL_FIELDS
+    root = _tag_root(tag)
+    name = COLLECTIVE_NAMES.get(tag_code(tag), "?")
+    return f"{name} (seq {seq})" if not root else f"{name} with root {root - 1} (seq {seq})"
+
+
+def stale_text(who: str, theirs: int, mine: int) -> str:
+    """The error of a message ``who`` sent (tag ``theirs``) in a call that this rank finished
+    without taking it: ranks whose calls differ where no rank waited for the other (two
+    roots that only send).  ``mine`` is the tag of the call this rank is in now."""
+    return (f"{who} sent this rank data of its {call_text(theirs)}, which this rank finished "
+            f"without it (it is now in {call_text(mine)}): the ranks' calls differ")
 
 
 def is_eager(tag: int) -> bool:
@@ -198,6 +254,18 @@ class Channel(ABC):
     def cancel(self, cause: BaseException) -> None:
         """Fail this rank's pending receives and unsent large sends with ``cause``,
         without telling peers (the group is being destroyed).  Buffers stay valid."""
+        return None
+
+    def abandon_call(self, seq: int) -> None:
+        """Every rank gave up on the collective numbered ``seq`` before using a peer's data
+        (a DETAIL mismatch): what peers sent for it is dropped, not an error."""
+        return None
+
+    def begin_call(self, seq: int) -> None:
+        """This rank starts the collective numbered by coded ``seq`` (:func:`coded_seq`).
+        A channel that keeps messages no receive has taken yet raises
+        :class:`~distcomm.errors.DistBackendError` if one belongs to a call this rank
+        finished (its sender's call was another)."""
         return None
 
 

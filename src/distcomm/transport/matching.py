@@ -16,7 +16,8 @@ Three kinds of frames reach the matcher:
   receive is posted (at once, for a large receive from a known source).
 
 Receives match in posting order; messages from one source in sending order.
-The :class:`Matcher` is plain data: the transport holds one lock around it.
+The :class:`Matcher` is plain data: the transport holds one lock around it (but
+around :meth:`Matcher.begin`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,24 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
-from .base import Request, clashes, is_eager, tag_clash_text, tag_code
+from .base import (
+    CALL_MASK,
+    CALL_SPACE_MASK,
+    EARLIER,
+    Request,
+    against,
+    call_of,
+    call_text,
+    clashes,
+    is_eager,
+    stale_text,
+    tag_clash_text,
+    tag_code,
+)
 
 __all__ = ["EAGER_BYTES", "SENT", "BufferPool", "Matcher", "RecvRequest", "SendRequest", "size_class"]
 
@@ -205,6 +220,16 @@ class Matcher:
         self.early: dict[Key, deque[tuple[int, bytes]]] = {}
         self.early_bytes = 0
         self.rts: dict[Key, deque[tuple[int, int]]] = {}
+        # Calls whose messages no receive took (see begin): per (group, call space) the tag of
+        # the collective call this rank is in, per (group, call) how many of its messages are
+        # held (early or announced), per group the first message of a call it had finished.
+        self.calls: dict[Key, int] = {}
+        self.held: dict[Key, int] = {}
+        self.stale: dict[int, DistBackendError] = {}
+        self.members: dict[int, dict[int, int]] = {}  # group -> process rank -> group rank
+        self.abandoned: set[Key] = set()  # (group, call): calls every rank gave up on (abandon)
+        #: (group, error) found by _hold, for the transport to fail the group's sends too.
+        self.failing: list[tuple[int, DistBackendError]] = []
 
     # -- posting ------------------------------------------------------------
     def post(self, req: RecvRequest) -> tuple[bytes | None, int | None]:
@@ -220,6 +245,8 @@ class Matcher:
                     if not queue:
                         del self.early[key]
                     self.early_bytes -= len(data)
+                    if self.held:
+                        self._release(req.group, req.tag)
                     req.source = req.members[peer]
                     return data, None
         pending = self.rts.get(key)
@@ -230,12 +257,14 @@ class Matcher:
                     del pending[i]
                     if not pending:
                         del self.rts[key]
+                    if self.held:
+                        self._release(req.group, req.tag)
                     req.bound = peer
                     req.rts_seen = True
                     grant = peer
                     break
         if grant is None and tag_code(req.tag):
-            clash = self._waiting_clash(req)
+            clash = self._waiting_clash(req) or (self.stale.get(req.group) if self.stale else None)
             if clash is not None:
                 req.complete(clash)
                 return None, None
@@ -271,10 +300,13 @@ class Matcher:
         return None
 
     def keep_early(self, peer: int, group: int, tag: int, data: bytes) -> None:
+        if self.abandoned and (group, call_of(tag)) in self.abandoned:
+            return  # nothing will take it
         self.early.setdefault((group, tag), deque()).append((peer, data))
         self.early_bytes += len(data)
         if tag_code(tag):
             self.clash_with(peer, group, tag)
+            self._hold(peer, group, tag)
 
     # -- ranks whose calls differ ---------------------------------------------------------
     def calls_to_tell(self, every: int) -> list[tuple[int, int, int]]:
@@ -327,7 +359,105 @@ class Matcher:
         self.rts.setdefault(key, deque()).append((peer, nbytes))
         if tag_code(tag):
             self.clash_with(peer, group, tag)
+            self._hold(peer, group, tag)
         return False
+
+    # -- messages of calls this rank finished without them ---------------------------------
+    def begin(self, group: int, tag: int, members: dict[int, int]) -> DistBackendError | None:
+        """This rank starts the collective call ``tag`` (a tag of any of its steps) of
+        ``group``.  Returns the error if a message of one of the group's earlier calls is
+        still here: its sender's call was not the one this rank made (two broadcast roots
+        that only send), and nothing will take it.
+
+        Safe without the transport's lock: it reads and sets single dict entries (atomic
+        under the GIL) and looks through copies.  A message of the previous call counted
+        while this runs may be missed here; it is reported when the group is destroyed.
+        """
+        if self.stale:
+            stale = self.stale.get(group)
+            if stale is not None:
+                return stale
+        key = (group, tag & CALL_SPACE_MASK)
+        before = self.calls.get(key)
+        self.calls[key] = tag
+        self.members[group] = members
+        if before is None or not self.held:
+            return None
+        call = before & CALL_MASK
+        if call == tag & CALL_MASK or not self.held.get((group, call)):
+            return None
+        entries: list[tuple[Key, deque[tuple[int, Any]]]] = [*self.early.items(), *self.rts.items()]
+        for (g, t), queue in entries:
+            senders = [item[0] for item in list(queue)]
+            if g == group and senders and call_of(t) == call:
+                return _stale_error(senders[0], t, tag, members)
+        return None  # (taken meanwhile)
+
+    def _hold(self, peer: int, group: int, tag: int) -> None:
+        """Count a coded message kept for later.  One of a call this rank finished, or of
+        the call it is in but another collective or root (a root waiting to send finds
+        out here), fails the group: the rank may wait for something that never comes."""
+        now = self.calls.get((group, tag & CALL_SPACE_MASK))
+        found = 0 if now is None else against(tag, now)
+        if found:
+            assert now is not None
+            if group not in self.stale:
+                members = self.members.get(group, {})
+                error = self.stale[group] = (
+                    _stale_error(peer, tag, now, members) if found == EARLIER
+                    else DistBackendError(tag_clash_text(_who(peer, members), tag, now), peer=peer))
+                self._fail_where(error, lambda req: req.group == group)
+                self.failing.append((group, error))
+            return
+        key = (group, tag & CALL_MASK)
+        self.held[key] = self.held.get(key, 0) + 1
+
+    def _release(self, group: int, tag: int) -> None:
+        key = (group, tag & CALL_MASK)
+        n = self.held.get(key, 0) - 1
+        if n > 0:
+            self.held[key] = n
+        else:
+            self.held.pop(key, None)
+
+    def abandon(self, group: int, tag: int) -> list[bytes]:
+        """Every rank gave up on the collective call of ``tag`` (any step) before using a
+        peer's data (a DETAIL mismatch): drop what it sent here, now and later.  Returns the
+        payloads dropped (for the buffer pool)."""
+        call = call_of(tag)
+        self.abandoned.add((group, call))
+        self.held.pop((group, call), None)
+        payloads = []
+        for key in [k for k in self.early if k[0] == group and call_of(k[1]) == call]:
+            for _peer, data in self.early.pop(key):
+                payloads.append(data)
+                self.early_bytes -= len(data)
+        return payloads
+
+    def forget(self, group: int) -> tuple[list[bytes], list[str]]:
+        """Drop what is held for ``group`` (destroyed here).  Returns the early payloads (for
+        the buffer pool) and the text of each collective call whose messages no receive took."""
+        payloads: list[bytes] = []
+        calls = set()
+        for key in [k for k in self.early if k[0] == group]:
+            for peer, data in self.early.pop(key):
+                payloads.append(data)
+                self.early_bytes -= len(data)
+                if tag_code(key[1]):
+                    calls.add((peer, call_of(key[1]), key[1]))
+        for key in [k for k in self.rts if k[0] == group]:
+            for peer, _nbytes in self.rts.pop(key):
+                if tag_code(key[1]):
+                    calls.add((peer, call_of(key[1]), key[1]))
+        for d in (self.calls, self.held):
+            for key in [k for k in d if k[0] == group]:
+                del d[key]
+        self.stale.pop(group, None)
+        self.abandoned = {k for k in self.abandoned if k[0] != group}
+        members = self.members.pop(group, {})
+        texts = [f"{_who(peer, members)} sent data of its {call_text(tag)} that this rank never took"
+                 for peer, _call, tag in sorted(calls)]
+        return payloads, texts
 
     # -- failure --------------------------------------------------------------
     def fail(
@@ -433,10 +563,17 @@ class BufferPool:
             self._held += cls
 
 
+def _who(peer: int, members: dict[int, int]) -> str:
+    group_rank = members.get(peer, peer)
+    return f"rank {peer}" if group_rank == peer else f"rank {peer} (group rank {group_rank})"
+
+
 def _clash_error(req: RecvRequest, peer: int, tag: int) -> DistBackendError:
-    group_rank = req.members.get(peer, peer)
-    who = f"rank {peer}" if group_rank == peer else f"rank {peer} (group rank {group_rank})"
-    return DistBackendError(tag_clash_text(who, tag, req.tag), peer=peer)
+    return DistBackendError(tag_clash_text(_who(peer, req.members), tag, req.tag), peer=peer)
+
+
+def _stale_error(peer: int, tag: int, mine: int, members: dict[int, int]) -> DistBackendError:
+    return DistBackendError(stale_text(_who(peer, members), tag, mine), peer=peer)
 
 
 def lost_peer_error(rank: int, what: str, group_rank: int | None = None) -> DistBackendError:

@@ -36,6 +36,10 @@ from ..errors import DistBackendError, DistError, DistTimeoutError
 __all__ = ["Control", "control_bytes", "futex_wait", "futex_wake", "HAVE_FUTEX", "wait_budget"]
 
 LINE = 64
+LINE_WORDS = LINE // 8
+#: Phases for which a rank's call stays readable (:attr:`Control.line_words`): words 2-7
+#: of its counter's line, more phases than ranks drift apart.
+CALL_WORDS = LINE_WORDS - 2
 #: Longest single sleep (s): bounds a lost wake-up and the time to notice a dead peer.
 NAP = 0.05
 
@@ -156,6 +160,10 @@ class Control:
         self.counters = memoryview(lines[:, 0])
         #: Whether each rank destroyed its group (the second word of its counter's line).
         self._left = memoryview(lines[:, 1])
+        #: Every counter line's words: a rank's words 2-7 (``r * LINE_WORDS + 2 + phase %
+        #: CALL_WORDS``) hold ``phase << 12 | call`` for calls it made at its last few phases,
+        #: written before it posts the phase (see ShmCollectives._check_rooted).
+        self.line_words = memoryview(lines.reshape(-1))
         base = raw.ctypes.data + asleep_end
         self._addr = [base + r * LINE for r in range(size)]
         self._describe = describe or (lambda r: f"rank {r}")

@@ -52,7 +52,7 @@ from ..sockets import recv_exact
 from ..store import auth
 from ..store.base import Store
 from . import tcp_wire as w
-from .base import Channel, Request, is_eager, orphaned_error
+from .base import Channel, Request, collective_tag, is_eager, orphaned_error
 from .matching import (
     EAGER_BYTES,
     SENT,
@@ -390,10 +390,31 @@ class TcpTransport:
             self._flush(self._peers[grant])
         return req
 
+    def begin_call(self, group: int, tag: int, members: dict[int, int]) -> None:
+        """This rank starts the collective call of ``tag`` in ``group``: raise if a message
+        of a call it finished is still here (see :meth:`Matcher.begin`, which needs no lock:
+        taking the lock here, once per collective, cost more than the check itself)."""
+        error = self._matcher.begin(group, tag, members)
+        if error is not None:
+            raise error
+
+    def abandon_call(self, group: int, tag: int) -> None:
+        """Drop what peers sent, and will send, for the call of ``tag`` in ``group``."""
+        with self._mu:
+            for data in self._matcher.abandon(group, tag):
+                self._early_pool.put(data)
+        self._resume_reading()
+
     def cancel_group(self, group: int, cause: BaseException) -> None:
         """Fail this process's pending requests of ``group``; peers are not told."""
         with self._mu:
             self._fail_group(group, cause)
+
+    def _fail_found(self) -> None:
+        """Fail the groups in which the matcher found a message of another call than this
+        rank's: receives and ungranted sends (lock held)."""
+        while self._matcher.failing:
+            self._fail_group(*self._matcher.failing.pop())
 
     def _fail_group(self, group: int, cause: BaseException) -> None:
         """Fail pending receives and ungranted sends of ``group`` (lock held)."""
@@ -429,6 +450,12 @@ class TcpTransport:
             if n > 0:  # another channel of this process is still on the group
                 self._open_groups[group] = n
                 return
+            payloads, untaken = self._matcher.forget(group)
+            if untaken and group not in self._aborted:
+                log.warning("rank %d destroyed a process group before taking what peers sent it "
+                            "there (the ranks' calls differed): %s", self.rank, "; ".join(untaken))
+            for data in payloads:
+                self._early_pool.put(data)
             self._aborted.pop(group, None)
             if self._left:
                 self._left = {k: v for k, v in self._left.items() if k[0] != group}
@@ -1045,6 +1072,8 @@ class TcpTransport:
             if kind == w.RTS:
                 with self._mu:
                     grant = self._matcher.on_rts(p.rank, group, tag, nbytes)
+                    if self._matcher.failing:
+                        self._fail_found()
                     if grant:
                         self._queue(p, _Out(w.HEADER.pack(w.RTR, group, tag, nbytes), None, None))
                 if grant:
@@ -1097,6 +1126,8 @@ class TcpTransport:
             req = self._matcher.take_for_data(p.rank, group, tag)
             if req is None and staged and nbytes <= _COPY_BYTES:  # small and early: keep a copy
                 self._matcher.keep_early(p.rank, group, tag, bytes(p.rview[pos : pos + nbytes]))
+                if self._matcher.failing:
+                    self._fail_found()
                 p.rpos = pos + nbytes
                 if self._matcher.early_bytes > EARLY_BUDGET:
                     p.paused = True
@@ -1128,6 +1159,8 @@ class TcpTransport:
                 late = self._matcher.take_for_data(p.rank, group, tag)
                 if late is None:
                     self._matcher.keep_early(p.rank, group, tag, data)
+                    if self._matcher.failing:
+                        self._fail_found()
                     if self._matcher.early_bytes > EARLY_BUDGET:
                         p.paused = True
             if late is not None:
@@ -1494,6 +1527,12 @@ class TcpChannel(Channel):
 
     def cancel(self, cause: BaseException) -> None:
         self._t.cancel_group(self._gid, cause)
+
+    def begin_call(self, seq: int) -> None:
+        self._t.begin_call(self._gid, collective_tag(seq, 0), self._members)
+
+    def abandon_call(self, seq: int) -> None:
+        self._t.abandon_call(self._gid, collective_tag(seq, 0))
 
     def close(self) -> None:
         if not self._closed:
