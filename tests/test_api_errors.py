@@ -206,6 +206,19 @@ def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:
         y = np.ones(world_size * count)
         dist.all_reduce(y)
         return bool((y == world_size).all())
+    if case == "all_reduce ops":  # rank 0 takes the maximum, the others the sum
+        op = dist.ReduceOp.MAX if first else dist.ReduceOp.SUM
+        dist.all_reduce(x, op=op)
+        return bool((x == (1 if first else world_size)).all())
+    if case == "all_reduce dtypes":  # rank 0 sums int64 values, the others float64 (8 bytes each)
+        y = np.ones(count, np.int64 if first else np.float64)
+        dist.all_reduce(y)
+        return bool((y == world_size).all())
+    if case == "reduce_scatter ops":
+        out = np.zeros(count)
+        dist.reduce_scatter_tensor(out, np.ones(world_size * count),
+                                   op=dist.ReduceOp.MIN if first else dist.ReduceOp.SUM)
+        return bool((out == (1 if first else world_size)).all())
     if case == "reduce roots":  # rank 0 reduces into itself, the others into rank 1
         dst = 0 if first else 1
         dist.reduce(x, dst=dst)
@@ -230,7 +243,8 @@ def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:
 @pytest.mark.parametrize("count", [4, 200_000], ids=["small", "large"])
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 @pytest.mark.parametrize("case", ["all_reduce/broadcast", "all_reduce/barrier", "all_gather/all_reduce",
-                                  "reduce roots", "broadcast roots", "scatter roots"])
+                                  "reduce roots", "broadcast roots", "scatter roots", "all_reduce ops",
+                                  "all_reduce dtypes", "reduce_scatter ops"])
 def test_ranks_that_call_different_collectives_get_an_error(backend, case, count):
     """Every collective's first phase (shared memory) or message (TCP) says which it is: a rank
     whose peer made another call raises at once instead of returning what that call wrote."""

@@ -366,7 +366,29 @@ def _combiner(name: str, dtype_name: str) -> Combiner:
                 quiet().run(uf, a, b, out)
 
         combine.into = into  # type: ignore[attr-defined]
+    combine.mark = reduction_mark(name, dtype_name)  # type: ignore[attr-defined]
     return combine
+
+
+#: A reduction as collectives' messages and slot headers carry it beside the collective's
+#: code (``combine.mark``), so that ranks reducing with different ops, or dtypes of the
+#: same size, find out instead of mixing them: 1 + op * dtypes + dtype (at most 255).
+_MARK_OPS = tuple(_NAMES)
+_MARK_DTYPES = tuple(_KIND)
+assert len(_MARK_OPS) * len(_MARK_DTYPES) < 255
+
+
+def reduction_mark(name: str, dtype_name: str) -> int:
+    """The mark of reducing ``dtype_name`` elements with op ``name``."""
+    return 1 + _MARK_OPS.index(name) * len(_MARK_DTYPES) + _MARK_DTYPES.index(dtype_name)
+
+
+def reduction_text(mark: int) -> str:
+    """``SUM on float32`` for a :func:`reduction_mark`."""
+    op, dtype = divmod(mark - 1, len(_MARK_DTYPES))
+    if not 0 <= op < len(_MARK_OPS):
+        return f"reduction {mark}"
+    return f"{_MARK_OPS[op]} on {_MARK_DTYPES[dtype]}"
 
 
 #: The ops :func:`finalize` has work for.

@@ -62,17 +62,17 @@ class _Hierarchical:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.full, name)  # the collectives without a hierarchical form
 
-    def _told(self, seq: int, code: int, root: int | None = None) -> Callable[[], None]:
+    def _told(self, seq: int, code: int, root: int | None = None, mark: int = 0) -> Callable[[], None]:
         """Tell the full group (whose messages flow only in the collectives without a
         hierarchical form) of this call, before and after it: a message a peer's earlier call
         sent there and this rank never took is an error (:meth:`ChannelAlgorithms.start_call`).
         After: it may arrive while this call runs, and on a leader it has by the time the
         leaders' part is done (the same connection carries both)."""
-        coded = self.full.start_call(seq, code, root)
+        coded = self.full.start_call(seq, code, root, mark)
         return lambda: self.full.channel.begin_call(coded)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        after = self._told(seq, _CODES["all_reduce"])
+        after = self._told(seq, _CODES["all_reduce"], mark=getattr(combine, "mark", 0))
         self.local.reduce(arr, combine, 0, seq, deadline)
         if self.leaders is not None:
             self.leaders.allreduce(arr, combine, seq, deadline)

@@ -68,11 +68,11 @@ class ChannelAlgorithms:
         self._staging = staging
         self._scratch = algo.Scratch()  # one collective runs at a time
 
-    def start_call(self, seq: int, code: int, root: int | None = None) -> int:
+    def start_call(self, seq: int, code: int, root: int | None = None, mark: int = 0) -> int:
         """``seq`` coded for collective ``code`` (and its root); the channel is told the call
         starts (it raises if a message of an earlier call was never taken: see
         :meth:`~distcomm.transport.base.Channel.begin_call`)."""
-        coded = coded_seq(seq, code, root)
+        coded = coded_seq(seq, code, root, mark)
         self.channel.begin_call(coded)
         return coded
 
@@ -83,7 +83,7 @@ class ChannelAlgorithms:
         algo.broadcast(self.channel, arr, root, self.start_call(seq, _BROADCAST, root), deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        algo.allreduce(self.channel, arr, combine, self.start_call(seq, _ALLREDUCE), deadline,
+        algo.allreduce(self.channel, arr, combine, self.start_call(seq, _ALLREDUCE, mark=_mark(combine)), deadline,
                        scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
@@ -105,7 +105,7 @@ class ChannelAlgorithms:
                        deadline: Deadline) -> None:
         """``out`` = this rank's block of the reduction; ``inp`` stays intact
         unless it is the group's own reduce_scatter staging buffer."""
-        seq = self.start_call(seq, _REDUCE_SCATTER)
+        seq = self.start_call(seq, _REDUCE_SCATTER, mark=_mark(combine))
         if algo.select.reduce_scatter_algorithm(inp.nbytes, self.channel.size) == "direct":
             # reads inp as it is: no staging copy
             algo.direct_reduce_scatter(self.channel, inp, out, combine, seq, deadline, scratch=self._scratch)
@@ -119,6 +119,12 @@ class ChannelAlgorithms:
                  send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
         algo.alltoall(self.channel, send, recv, self.start_call(seq, _ALLTOALL), deadline,
                       send_counts=send_counts, recv_counts=recv_counts)
+
+
+def _mark(combine: Any) -> int:
+    """The reduction mark ``combine`` carries (:func:`distcomm.reduce_op.reduction_mark`; 0:
+    none, e.g. a reduction a backend made itself)."""
+    return getattr(combine, "mark", 0)
 
 
 class ChannelProcessGroup(ProcessGroup):

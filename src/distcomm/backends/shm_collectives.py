@@ -109,7 +109,8 @@ Combine = Callable[[np.ndarray, np.ndarray], None]
 #: 3 the array's address in its process when peers may read it there (else 0),
 #: 4 and 5 all_to_all's split-size hashes (:func:`~distcomm.algorithms._common.split_hashes`),
 #: 6 the byte count the writer's arguments give for the collective's first phase,
-#: 7 that phase's number and the collective's code (``phase << 4 | code``, :data:`_CODES`).
+#: 7 that phase's number, the reduction's mark and the collective's code (``phase << 12 |
+#: mark << 4 | code``, :data:`_CODES`; the mark: see _reducing).
 HEADER = 64
 _SIZE_WORD, _CALL_WORD = 6, 7
 #: The collectives' codes in header word 7 (those their messages carry over a channel).
@@ -130,6 +131,13 @@ _PIECE_SHIFT = 2048
 ALLTOALL_REMOTE_BYTES = 32 * 1024 * 1024
 #: What the first phase of a collective that may go direct (``_open``) decided.
 DIRECT, SLOTS, AGAIN = "direct", "slots", "again"
+
+
+def _reducing(code: int, combine: Combine) -> int:
+    """A reduction's ``code`` with the mark of its op and dtype in bits 4-11
+    (:func:`distcomm.reduce_op.reduction_mark`): ranks reducing with different ops, or
+    dtypes of one size, find out from the header instead of mixing them."""
+    return code | getattr(combine, "mark", 0) << 4
 
 
 def _bounds(count: int, n: int, i: int) -> tuple[int, int]:
@@ -290,22 +298,25 @@ class ShmCollectives:
         words = self._words[self.rank][b]
         if nbytes is not None:
             words[_SIZE_WORD] = nbytes
-        words[_CALL_WORD] = q << 4 | code
+        words[_CALL_WORD] = q << 12 | code
 
     def _check(self, j: int, b: int, q: int, code: int, nbytes: int | None, what: str = "") -> None:
-        """Raise if rank j's slot ``b`` was not written in phase ``q`` of the same collective with
-        the same byte count (call once j posted ``q``): the ranks' calls differ, and what j
-        wrote is not what this rank's call expects.  The group is then broken."""
+        """Raise if rank j's slot ``b`` was not written in phase ``q`` of the same collective
+        (and reduction: ``code`` may carry its mark, :func:`_reducing`) with the same byte
+        count (call once j posted ``q``): the ranks' calls differ, and what j wrote is not
+        what this rank's call expects.  The group is then broken."""
         words = self._words[j][b]
         call, theirs = words[_CALL_WORD], words[_SIZE_WORD]
-        if call == q << 4 | code and (nbytes is None or theirs == nbytes):
+        if call == q << 12 | code and (nbytes is None or theirs == nbytes):
             return
-        who, mine = self.ctl.describe(j), _NAMES[code]
-        if call >> 4 != q:
+        who, mine = self.ctl.describe(j), _NAMES[code & 15]
+        if call >> 12 != q:
             why = (f"{who} is not in this {mine} (it called another collective here, or this one "
                    "with another root, or left one out before): the ranks' calls differ")
-        elif call & 15 != code:
-            why = clash_text(who, call & 15, code)
+        elif call & 15 != code & 15:
+            why = clash_text(who, call & 15, code & 15)
+        elif call & 0xFFF != code:
+            why = call_clash_text(who, call & 15, call >> 4 & 0xFF, code & 15, code >> 4, reduction=True)
         else:
             why = (f"{who} passed {theirs} bytes where this rank passed {nbytes} ({what}): the "
                    "ranks passed arrays of different sizes")
@@ -437,7 +448,8 @@ class ShmCollectives:
         used = self._all_write(deadline)
         me = self.rank
         small[me][used[me]][...] = arr
-        nbytes, call = arr.nbytes, q << 4 | _ALLREDUCE
+        code = _ALLREDUCE | getattr(combine, "mark", 0) << 4  # (_reducing, inlined)
+        nbytes, call = arr.nbytes, q << 12 | code
         words = self._words
         mine = words[me][used[me]]
         mine[_SIZE_WORD] = nbytes
@@ -449,7 +461,7 @@ class ShmCollectives:
             theirs = words[j][used[j]]
             if theirs[_CALL_WORD] != call or theirs[_SIZE_WORD] != nbytes:
                 self._read_until(used[me], q)
-                self._check(j, used[j], q, _ALLREDUCE, nbytes, "the whole array")
+                self._check(j, used[j], q, code, nbytes, "the whole array")
         into = getattr(combine, "into", None)
         if into is not None:
             into(small[0][used[0]], small[1][used[1]], arr)
@@ -472,6 +484,7 @@ class ShmCollectives:
         return self._small
 
     def _allreduce_large(self, arr: np.ndarray, combine: Combine, deadline: Deadline) -> None:
+        code = _reducing(_ALLREDUCE, combine)
         views = self._views(arr.dtype)
         me = self.rank
         per = len(views[0][0])
@@ -482,7 +495,7 @@ class ShmCollectives:
             def fill(b: int) -> None:
                 self._fill_others(views[me][b], arr[:m0])
 
-            mode, q, used, src = self._open(arr, _ALLREDUCE, fill, deadline)
+            mode, q, used, src = self._open(arr, code, fill, deadline)
             if src is not None:
                 self._allreduce_direct(arr, src, combine, deadline)
                 return
@@ -495,11 +508,11 @@ class ShmCollectives:
             used = self._all_write(deadline)
             self._fill_others(views[me][used[me]], chunk)
             if lo == 0:
-                self._say(used[me], q, _ALLREDUCE, arr.nbytes)
+                self._say(used[me], q, code, arr.nbytes)
             self.ctl.post(q)
             if lo == 0:
                 self.ctl.wait_all(q, deadline)
-                self._check_all(used, q, _ALLREDUCE, arr.nbytes, "the whole array")
+                self._check_all(used, q, code, arr.nbytes, "the whole array")
             self._allreduce_round(chunk, q, used, views, combine, deadline)
 
     def _fill_others(self, slot: np.ndarray, chunk: np.ndarray) -> None:
@@ -629,6 +642,7 @@ class ShmCollectives:
         views = self._views(arr.dtype)
         per = len(views[0][0])
         me = self.rank
+        code = _reducing(_CODES["reduce"], combine)
         for lo in range(0, arr.size, per):
             chunk = arr[lo : lo + per]
             m = chunk.size
@@ -637,7 +651,7 @@ class ShmCollectives:
             if me != root:
                 views[me][used[me]][:m] = chunk
                 if lo == 0:
-                    self._say(used[me], q, _CODES["reduce"], arr.nbytes)
+                    self._say(used[me], q, code, arr.nbytes)
                 self.ctl.post(q)
                 self._read_until(used[me], q)
                 continue
@@ -646,7 +660,7 @@ class ShmCollectives:
                 if j != root:
                     self.ctl.wait(j, q, deadline)
                     if lo == 0:
-                        self._check(j, used[j], q, _CODES["reduce"], arr.nbytes, "the whole array")
+                        self._check(j, used[j], q, code, arr.nbytes, "the whole array")
                     combine(chunk, views[j][used[j]][:m])
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
@@ -780,6 +794,7 @@ class ShmCollectives:
         per = len(views[0][0]) // n
         others = self._others()
         peers = [j for j in range(n) if j != me]
+        code = _reducing(_CODES["reduce_scatter"], combine)
         start = 0
         if self._may_direct and inp.nbytes > self.small_bytes:
             k = min(per, m)
@@ -791,7 +806,7 @@ class ShmCollectives:
 
             # peers' private inputs are not read in place: the copies into the slots,
             # spread over every rank, beat one rank reading through the kernel
-            mode, q, used, src = self._open(inp, _CODES["reduce_scatter"], fill, deadline, remote=False)
+            mode, q, used, src = self._open(inp, code, fill, deadline, remote=False)
             if src is not None:
                 self._reduce_from(out, me * m, peers, src, combine)
                 self._finish_direct(deadline)
@@ -810,13 +825,13 @@ class ShmCollectives:
             for d in others:
                 slot[d * per : d * per + k] = inp[d * m + lo : d * m + lo + k]
             if lo == 0:
-                self._say(used[me], q, _CODES["reduce_scatter"], inp.nbytes)
+                self._say(used[me], q, code, inp.nbytes)
             self.ctl.post(q)
             acc = out[lo : lo + k]
             for j in peers:
                 self.ctl.wait(j, q, deadline)
                 if lo == 0:
-                    self._check(j, used[j], q, _CODES["reduce_scatter"], inp.nbytes, "the whole input")
+                    self._check(j, used[j], q, code, inp.nbytes, "the whole input")
                 combine(acc, views[j][used[j]][me * per : me * per + k])
             self._read_until(used[me], q)
 

@@ -31,7 +31,8 @@ from ..errors import DistBackendError, DistInputError, DistTypeError
 __all__ = [
     "Channel", "Request", "collective_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
     "EAGER_STEP", "is_eager", "orphaned_error", "COLLECTIVE_CODES", "COLLECTIVE_NAMES", "coded_seq",
-    "tag_code", "clashes", "clash_text", "tag_clash_text", "call_of", "CALL_MASK", "CALL_SPACE_MASK", "against", "EARLIER", "CLASHING", "call_text", "stale_text", "call_clash_text", "root_mark",
+    "tag_code", "clashes", "clash_text", "tag_clash_text", "call_of", "CALL_MASK", "CALL_SPACE_MASK",
+    "against", "EARLIER", "CLASHING", "call_text", "stale_text", "call_clash_text", "root_mark", "REDUCTIONS",
 ]
 
 _COLLECTIVE = 1 << 62
@@ -61,10 +62,15 @@ _CALL_FIELDS = 0xFFF << _ROOT_SHIFT
 _CALL_MASK = (_COLLECTIVE | ((1 << 38) - 1) << _SEQ_SHIFT) & ~(_CALL_FIELDS << _SEQ_SHIFT)
 
 
-def coded_seq(seq: int, code: int, root: int | None = None) -> int:
+def coded_seq(seq: int, code: int, root: int | None = None, mark: int = 0) -> int:
     """``seq`` carrying the code of the collective it numbers and its root (for
-    :func:`collective_tag`)."""
-    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | root_mark(root) << _ROOT_SHIFT
+    :func:`collective_tag`); or, for the unrooted reductions (:data:`REDUCTIONS`), the
+    reduction's ``mark`` (op and dtype: :func:`distcomm.reduce_op.reduction_mark`)."""
+    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | (mark or root_mark(root)) << _ROOT_SHIFT
+
+
+#: The collectives whose calls carry their reduction's mark where the others carry a root.
+REDUCTIONS = frozenset((COLLECTIVE_CODES["all_reduce"], COLLECTIVE_CODES["reduce_scatter"]))
 
 
 def tag_code(tag: int) -> int:
@@ -98,10 +104,17 @@ def tag_clash_text(who: str, theirs: int, mine: int) -> str:
     return call_clash_text(who, tag_code(theirs), _tag_root(theirs), tag_code(mine), _tag_root(mine))
 
 
-def call_clash_text(who: str, theirs: int, their_mark: int, mine: int, my_mark: int) -> str:
-    """:func:`clash_text` for calls given as codes and root marks (1 + root % 255; 0: none)."""
+def call_clash_text(who: str, theirs: int, their_mark: int, mine: int, my_mark: int,
+                    reduction: bool | None = None) -> str:
+    """:func:`clash_text` for calls given as codes and marks: root marks (1 + root % 255;
+    0: none), or reduction marks where ``reduction`` (default: for :data:`REDUCTIONS`)."""
     if theirs != mine:
         return clash_text(who, theirs, mine)
+    if mine in REDUCTIONS if reduction is None else reduction:
+        from ..reduce_op import reduction_text  # (only for this error: no import cycle)
+
+        return (f"{who} called {COLLECTIVE_NAMES[mine]} with {reduction_text(their_mark)} where this "
+                f"rank called it with {reduction_text(my_mark)}: the ranks' calls differ")
     return (f"{who} called {COLLECTIVE_NAMES.get(mine, '?')} with root {their_mark - 1} where "
             f"this rank called it with root {my_mark - 1} (group ranks, modulo 255): the ranks' "
             "calls differ")
@@ -146,9 +159,15 @@ def against(tag: int, now: int) -> int:
 def call_text(tag: int) -> str:
     """A coded collective tag's call as errors name it: ``broadcast with root 1 (seq 7)``."""
     seq = (tag & ~_COLLECTIVE) >> _SEQ_SHIFT & ~_CALL_FIELDS
-    root = _tag_root(tag)
+    mark = _tag_root(tag)
     name = COLLECTIVE_NAMES.get(tag_code(tag), "?")
-    return f"{name} (seq {seq})" if not root else f"{name} with root {root - 1} (seq {seq})"
+    if not mark:
+        return f"{name} (seq {seq})"
+    if tag_code(tag) in REDUCTIONS:
+        from ..reduce_op import reduction_text  # (only for this error: no import cycle)
+
+        return f"{name} with {reduction_text(mark)} (seq {seq})"
+    return f"{name} with root {mark - 1} (seq {seq})"
 
 
 def stale_text(who: str, theirs: int, mine: int) -> str:
@@ -261,11 +280,12 @@ class Channel(ABC):
         (a DETAIL mismatch): what peers sent for it is dropped, not an error."""
         return None
 
-    def begin_call(self, seq: int) -> None:
+    def begin_call(self, seq: int, checked: bool = False) -> None:
         """This rank starts the collective numbered by coded ``seq`` (:func:`coded_seq`).
         A channel that keeps messages no receive has taken yet raises
         :class:`~distcomm.errors.DistBackendError` if one belongs to a call this rank
-        finished (its sender's call was another)."""
+        finished (its sender's call was another).  ``checked``: the DETAIL check compares
+        the ranks' calls first (a message of another call here is for it to report)."""
         return None
 
 

@@ -33,6 +33,7 @@ from ..errors import DistBackendError, DistTimeoutError
 from .base import (
     CALL_MASK,
     CALL_SPACE_MASK,
+    CLASHING,
     EARLIER,
     Request,
     against,
@@ -228,6 +229,7 @@ class Matcher:
         self.stale: dict[int, DistBackendError] = {}
         self.members: dict[int, dict[int, int]] = {}  # group -> process rank -> group rank
         self.abandoned: set[Key] = set()  # (group, call): calls every rank gave up on (abandon)
+        self.checked: dict[int, int] = {}  # group -> the call a DETAIL check is comparing (begin)
         #: (group, error) found by _hold, for the transport to fail the group's sends too.
         self.failing: list[tuple[int, DistBackendError]] = []
 
@@ -363,7 +365,8 @@ class Matcher:
         return False
 
     # -- messages of calls this rank finished without them ---------------------------------
-    def begin(self, group: int, tag: int, members: dict[int, int]) -> DistBackendError | None:
+    def begin(self, group: int, tag: int, members: dict[int, int], checked: bool = False
+              ) -> DistBackendError | None:
         """This rank starts the collective call ``tag`` (a tag of any of its steps) of
         ``group``.  Returns the error if a message of one of the group's earlier calls is
         still here: its sender's call was not the one this rank made (two broadcast roots
@@ -381,6 +384,10 @@ class Matcher:
         before = self.calls.get(key)
         self.calls[key] = tag
         self.members[group] = members
+        if checked:  # a message of this call that clashes is the DETAIL check's to report
+            self.checked[group] = tag & CALL_MASK
+        elif self.checked:
+            self.checked.pop(group, None)
         if before is None or not self.held:
             return None
         call = before & CALL_MASK
@@ -399,6 +406,8 @@ class Matcher:
         out here), fails the group: the rank may wait for something that never comes."""
         now = self.calls.get((group, tag & CALL_SPACE_MASK))
         found = 0 if now is None else against(tag, now)
+        if found == CLASHING and self.checked.get(group) == tag & CALL_MASK:
+            found = 0  # (the ranks compare their calls first: see begin)
         if found:
             assert now is not None
             if group not in self.stale:
@@ -453,6 +462,7 @@ class Matcher:
             for key in [k for k in d if k[0] == group]:
                 del d[key]
         self.stale.pop(group, None)
+        self.checked.pop(group, None)
         self.abandoned = {k for k in self.abandoned if k[0] != group}
         members = self.members.pop(group, {})
         texts = [f"{_who(peer, members)} sent data of its {call_text(tag)} that this rank never took"

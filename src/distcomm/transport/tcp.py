@@ -390,11 +390,11 @@ class TcpTransport:
             self._flush(self._peers[grant])
         return req
 
-    def begin_call(self, group: int, tag: int, members: dict[int, int]) -> None:
+    def begin_call(self, group: int, tag: int, members: dict[int, int], checked: bool = False) -> None:
         """This rank starts the collective call of ``tag`` in ``group``: raise if a message
         of a call it finished is still here (see :meth:`Matcher.begin`, which needs no lock:
         taking the lock here, once per collective, cost more than the check itself)."""
-        error = self._matcher.begin(group, tag, members)
+        error = self._matcher.begin(group, tag, members, checked)
         if error is not None:
             raise error
 
@@ -1528,8 +1528,8 @@ class TcpChannel(Channel):
     def cancel(self, cause: BaseException) -> None:
         self._t.cancel_group(self._gid, cause)
 
-    def begin_call(self, seq: int) -> None:
-        self._t.begin_call(self._gid, collective_tag(seq, 0), self._members)
+    def begin_call(self, seq: int, checked: bool = False) -> None:
+        self._t.begin_call(self._gid, collective_tag(seq, 0), self._members, checked)
 
     def abandon_call(self, seq: int) -> None:
         self._t.abandon_call(self._gid, collective_tag(seq, 0))
