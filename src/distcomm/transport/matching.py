@@ -458,9 +458,9 @@ class Matcher:
             for peer, _nbytes in self.rts.pop(key):
                 if tag_code(key[1]):
                     calls.add((peer, call_of(key[1]), key[1]))
-        for d in (self.calls, self.held):
-            for key in [k for k in d if k[0] == group]:
-                del d[key]
+        for d in (self.calls, self.held):  # (calls: a copy first, begin may add to it meanwhile)
+            for key in [k for k in list(d) if k[0] == group]:
+                d.pop(key, None)
         self.stale.pop(group, None)
         self.checked.pop(group, None)
         self.abandoned = {k for k in self.abandoned if k[0] != group}
