@@ -16,8 +16,8 @@ Three kinds of frames reach the matcher:
   receive is posted (at once, for a large receive from a known source).
 
 Receives match in posting order; messages from one source in sending order.
-The :class:`Matcher` is plain data: the transport holds one lock around it (but
-around :meth:`Matcher.begin`).
+The :class:`Matcher` is plain data: the transport holds one lock around it (except
+around :meth:`Matcher.begin`, which needs none).
 """
 
 from __future__ import annotations
