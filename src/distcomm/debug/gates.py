@@ -126,8 +126,9 @@ class ChannelGate:
         return [decode_call(buf[r]) for r in range(n)]
 
     # -- the channel's methods the collective calls --------------------------------------
-    def begin_call(self, seq: int, checked: bool = True) -> None:
-        self.pg.channel.begin_call(seq, checked=True)  # a clash of this call is ours to report
+    def begin_call(self, seq: int, checked: bool = False) -> None:
+        """The channel's, with ``checked`` always on: a clash of this call is ours to report."""
+        self.pg.channel.begin_call(seq, checked=True)
 
     def isend(self, dst: int, tag: int, data: memoryview) -> Any:
         if self._call is not None and len(data) > EAGER_BYTES:
