@@ -122,9 +122,10 @@ _PUMP_PEERS_MAX = 16
 #: How long a writer thread waits for a socket to become writable before rechecking state.
 _WRITER_POLL_MS = 500
 #: While collective receives are pending, the progress thread ticks this often (s); one from a
-#: known peer pending a whole tick tells that peer its call (CALL), then every CALL_EVERY ticks.
-CALL_TICK = 1.0
-CALL_EVERY = 5
+#: known peer pending a whole tick tells that peer its call (CALL), then every CALL_EVERY ticks
+#: (5 s): ranks waiting on each other in different calls fail within about a second.
+CALL_TICK = 0.5
+CALL_EVERY = 10
 #: Most seconds close() waits for queued frames to leave (peers that must still connect).
 CLOSE_LINGER = 10.0
 #: How long closing waits for peers to close their side of each connection.
@@ -774,7 +775,7 @@ class TcpTransport:
                 if deferred:
                     wait = DEFER_CHECK if wait < 0 else min(wait, DEFER_CHECK)
                 now = time.monotonic()
-                if now >= tick:  # (a wake-up a second, also when idle: posting stays syscall-free)
+                if now >= tick:  # (a wake-up a tick, also when idle: posting stays syscall-free)
                     if self._matcher.posts:
                         self._tell_calls()
                     tick = now + CALL_TICK
