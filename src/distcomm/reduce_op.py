@@ -383,6 +383,12 @@ def reduction_mark(name: str, dtype_name: str) -> int:
     return 1 + _MARK_OPS.index(name) * len(_MARK_DTYPES) + _MARK_DTYPES.index(dtype_name)
 
 
+def mark_of(combine: Any) -> int:
+    """The :func:`reduction_mark` a combine function carries (0: none, e.g. one a backend
+    made itself)."""
+    return getattr(combine, "mark", 0)
+
+
 def reduction_text(mark: int) -> str:
     """``SUM on float32`` for a :func:`reduction_mark`."""
     op, dtype = divmod(mark - 1, len(_MARK_DTYPES))

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..backend_registry import Backend, BackendFactory
 from ..deadline import Deadline
+from ..reduce_op import mark_of
 from ..store import PrefixStore, Store
 from ..store.exchange import all_gather_strings
 from ..transport.base import COLLECTIVE_CODES as _CODES
@@ -72,7 +73,7 @@ class _Hierarchical:
         return lambda: self.full.channel.begin_call(coded)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        after = self._told(seq, _CODES["all_reduce"], mark=getattr(combine, "mark", 0))
+        after = self._told(seq, _CODES["all_reduce"], mark=mark_of(combine))
         self.local.reduce(arr, combine, 0, seq, deadline)
         if self.leaders is not None:
             self.leaders.allreduce(arr, combine, seq, deadline)

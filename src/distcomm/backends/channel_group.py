@@ -24,7 +24,7 @@ from ..debug import recorder as _rec
 from ..errors import DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup, describe_rank
 from ..memcopy import copy_into
-from ..reduce_op import FINALIZED, finalize, op_combiner
+from ..reduce_op import FINALIZED, finalize, mark_of, op_combiner
 from ..transport.base import COLLECTIVE_CODES, MAX_P2P_TAG, Channel, Request, coded_seq, p2p_tag
 from ..work import Work
 
@@ -83,7 +83,7 @@ class ChannelAlgorithms:
         algo.broadcast(self.channel, arr, root, self.start_call(seq, _BROADCAST, root), deadline)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        algo.allreduce(self.channel, arr, combine, self.start_call(seq, _ALLREDUCE, mark=_mark(combine)), deadline,
+        algo.allreduce(self.channel, arr, combine, self.start_call(seq, _ALLREDUCE, mark=mark_of(combine)), deadline,
                        scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
@@ -105,7 +105,7 @@ class ChannelAlgorithms:
                        deadline: Deadline) -> None:
         """``out`` = this rank's block of the reduction; ``inp`` stays intact
         unless it is the group's own reduce_scatter staging buffer."""
-        seq = self.start_call(seq, _REDUCE_SCATTER, mark=_mark(combine))
+        seq = self.start_call(seq, _REDUCE_SCATTER, mark=mark_of(combine))
         if algo.select.reduce_scatter_algorithm(inp.nbytes, self.channel.size) == "direct":
             # reads inp as it is: no staging copy
             algo.direct_reduce_scatter(self.channel, inp, out, combine, seq, deadline, scratch=self._scratch)
@@ -119,12 +119,6 @@ class ChannelAlgorithms:
                  send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:
         algo.alltoall(self.channel, send, recv, self.start_call(seq, _ALLTOALL), deadline,
                       send_counts=send_counts, recv_counts=recv_counts)
-
-
-def _mark(combine: Any) -> int:
-    """The reduction mark ``combine`` carries (:func:`distcomm.reduce_op.reduction_mark`; 0:
-    none, e.g. a reduction a backend made itself)."""
-    return getattr(combine, "mark", 0)
 
 
 class ChannelProcessGroup(ProcessGroup):

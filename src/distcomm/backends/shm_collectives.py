@@ -91,6 +91,7 @@ from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistDesyncError
 from ..memcopy import copy_into
+from ..reduce_op import mark_of
 from ..transport.base import (
     COLLECTIVE_CODES,
     COLLECTIVE_NAMES,
@@ -137,7 +138,7 @@ def _reducing(code: int, combine: Combine) -> int:
     """A reduction's ``code`` with the mark of its op and dtype in bits 4-11
     (:func:`distcomm.reduce_op.reduction_mark`): ranks reducing with different ops, or
     dtypes of one size, find out from the header instead of mixing them."""
-    return code | getattr(combine, "mark", 0) << 4
+    return code | mark_of(combine) << 4
 
 
 def _bounds(count: int, n: int, i: int) -> tuple[int, int]:

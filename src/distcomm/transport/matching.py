@@ -332,7 +332,7 @@ class Matcher:
                 if group == req.group and clashes(tag, req.tag):
                     for item in queue:
                         if req.accepts(item[0]):
-                            return _clash_error(req, item[0], tag)
+                            return _clash_error(item[0], tag, req.tag, req.members)
         return None
 
     def clash_with(self, peer: int, group: int, tag: int) -> None:
@@ -345,7 +345,7 @@ class Matcher:
             posts.remove(req)
             if not posts:
                 del self.posts[key]
-            req.complete(_clash_error(req, peer, tag))
+            req.complete(_clash_error(peer, tag, req.tag, req.members))
 
     def on_rts(self, peer: int, group: int, tag: int, nbytes: int) -> bool:
         """Note an RTS; return True if an RTR must be sent back now."""
@@ -414,7 +414,7 @@ class Matcher:
                 members = self.members.get(group, {})
                 error = self.stale[group] = (
                     _stale_error(peer, tag, now, members) if found == EARLIER
-                    else DistBackendError(tag_clash_text(_who(peer, members), tag, now), peer=peer))
+                    else _clash_error(peer, tag, now, members))
                 self._fail_where(error, lambda req: req.group == group)
                 self.failing.append((group, error))
             return
@@ -447,17 +447,17 @@ class Matcher:
         """Drop what is held for ``group`` (destroyed here).  Returns the early payloads (for
         the buffer pool) and the text of each collective call whose messages no receive took."""
         payloads: list[bytes] = []
-        calls = set()
+        calls: dict[tuple[int, int], int] = {}  # (sender, call) -> a tag of it
         for key in [k for k in self.early if k[0] == group]:
             for peer, data in self.early.pop(key):
                 payloads.append(data)
                 self.early_bytes -= len(data)
                 if tag_code(key[1]):
-                    calls.add((peer, call_of(key[1]), key[1]))
+                    calls[(peer, call_of(key[1]))] = key[1]
         for key in [k for k in self.rts if k[0] == group]:
             for peer, _nbytes in self.rts.pop(key):
                 if tag_code(key[1]):
-                    calls.add((peer, call_of(key[1]), key[1]))
+                    calls[(peer, call_of(key[1]))] = key[1]
         for d in (self.calls, self.held):  # (calls: a copy first, begin may add to it meanwhile)
             for key in [k for k in list(d) if k[0] == group]:
                 d.pop(key, None)
@@ -466,7 +466,7 @@ class Matcher:
         self.abandoned = {k for k in self.abandoned if k[0] != group}
         members = self.members.pop(group, {})
         texts = [f"{_who(peer, members)} sent data of its {call_text(tag)} that this rank never took"
-                 for peer, _call, tag in sorted(calls)]
+                 for (peer, _call), tag in sorted(calls.items())]
         return payloads, texts
 
     # -- failure --------------------------------------------------------------
@@ -578,8 +578,8 @@ def _who(peer: int, members: dict[int, int]) -> str:
     return f"rank {peer}" if group_rank == peer else f"rank {peer} (group rank {group_rank})"
 
 
-def _clash_error(req: RecvRequest, peer: int, tag: int) -> DistBackendError:
-    return DistBackendError(tag_clash_text(_who(peer, req.members), tag, req.tag), peer=peer)
+def _clash_error(peer: int, tag: int, mine: int, members: dict[int, int]) -> DistBackendError:
+    return DistBackendError(tag_clash_text(_who(peer, members), tag, mine), peer=peer)
 
 
 def _stale_error(peer: int, tag: int, mine: int, members: dict[int, int]) -> DistBackendError:
