@@ -556,11 +556,11 @@ def test_duplicated_lines_virtual_local_rank_and_local_addr(tmp_path):
 
 
 def test_signals_to_handle_forwards_another_signal(tmp_path):
-    prog = write(tmp_path, "usr1.py", WAIT_PROG.replace("time.sleep(60)", """
-import signal
+    # the handler goes in before the pid file is written: the signal may come right after
+    prog = write(tmp_path, "usr1.py", """
+import os, signal, sys
 signal.signal(signal.SIGUSR1, lambda *_: (print("rank", os.environ["RANK"], "saves", flush=True), sys.exit(0)))
-time.sleep(60)
-"""))
+""" + WAIT_PROG)
     with subprocess.Popen([*RUN, "--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1", prog,
                            str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as job:
