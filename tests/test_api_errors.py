@@ -219,6 +219,9 @@ def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:
         dist.reduce_scatter_tensor(out, np.ones(world_size * count),
                                    op=dist.ReduceOp.MIN if first else dist.ReduceOp.SUM)
         return bool((out == (1 if first else world_size)).all())
+    if case == "reduce ops":  # rank 0 takes the maximum, the others the sum (root: rank 0)
+        dist.reduce(x, dst=0, op=dist.ReduceOp.MAX if first else dist.ReduceOp.SUM)
+        return rank != 0 or bool((x == 1).all())
     if case == "reduce roots":  # rank 0 reduces into itself, the others into rank 1
         dst = 0 if first else 1
         dist.reduce(x, dst=dst)
@@ -244,7 +247,7 @@ def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 @pytest.mark.parametrize("case", ["all_reduce/broadcast", "all_reduce/barrier", "all_gather/all_reduce",
                                   "reduce roots", "broadcast roots", "scatter roots", "all_reduce ops",
-                                  "all_reduce dtypes", "reduce_scatter ops"])
+                                  "all_reduce dtypes", "reduce_scatter ops", "reduce ops"])
 def test_ranks_that_call_different_collectives_get_an_error(backend, case, count):
     """Every collective's first phase (shared memory) or message (TCP) says which it is: a rank
     whose peer made another call raises at once instead of returning what that call wrote."""

@@ -87,7 +87,7 @@ class ChannelAlgorithms:
                        scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        algo.reduce(self.channel, arr, combine, root, self.start_call(seq, _REDUCE, root), deadline,
+        algo.reduce(self.channel, arr, combine, root, self.start_call(seq, _REDUCE, root, mark_of(combine)), deadline,
                     scratch=self._scratch)
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:

@@ -65,12 +65,23 @@ _CALL_MASK = (_COLLECTIVE | ((1 << 38) - 1) << _SEQ_SHIFT) & ~(_CALL_FIELDS << _
 def coded_seq(seq: int, code: int, root: int | None = None, mark: int = 0) -> int:
     """``seq`` carrying the code of the collective it numbers and its root (for
     :func:`collective_tag`); or, for the unrooted reductions (:data:`REDUCTIONS`), the
-    reduction's ``mark`` (op and dtype: :func:`distcomm.reduce_op.reduction_mark`)."""
-    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | (mark or root_mark(root)) << _ROOT_SHIFT
+    reduction's ``mark`` (op and dtype: :func:`distcomm.reduce_op.reduction_mark`); or, for
+    ``reduce``, both in one (:func:`_rooted_reduction`)."""
+    field = _rooted_reduction(root, mark) if code == _REDUCE and root is not None else mark or root_mark(root)
+    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | field << _ROOT_SHIFT
 
 
 #: The collectives whose calls carry their reduction's mark where the others carry a root.
 REDUCTIONS = frozenset((COLLECTIVE_CODES["all_reduce"], COLLECTIVE_CODES["reduce_scatter"]))
+_REDUCE = COLLECTIVE_CODES["reduce"]
+
+
+def _rooted_reduction(root: int, mark: int) -> int:
+    """A ``reduce`` call's root and reduction mark in the 8 bits the others give their root:
+    1 + (root + 137 * mark) % 255.  Two calls that differ in root alone (modulo 255) or in
+    reduction alone (marks are below 255, and 137 is prime to 255) always differ; the
+    field cannot say which (a mark of 0, none, leaves the plain root mark)."""
+    return 1 + (root + 137 * mark) % 255
 
 
 def tag_code(tag: int) -> int:
@@ -101,6 +112,9 @@ def clash_text(who: str, theirs: int, mine: int) -> str:
 def tag_clash_text(who: str, theirs: int, mine: int) -> str:
     """:func:`clash_text` for two tags that :func:`clashes` (another collective, or the same
     one with another root)."""
+    if tag_code(theirs) == tag_code(mine) == _REDUCE:  # root and reduction in one mark
+        return (f"{who} called reduce with another root or reduction (op, dtype) than this rank: "
+                "the ranks' calls differ")
     return call_clash_text(who, tag_code(theirs), _tag_root(theirs), tag_code(mine), _tag_root(mine))
 
 
@@ -163,6 +177,8 @@ def call_text(tag: int) -> str:
     name = COLLECTIVE_NAMES.get(tag_code(tag), "?")
     if not mark:
         return f"{name} (seq {seq})"
+    if tag_code(tag) == _REDUCE:
+        return f"{name} (seq {seq})"  # root and reduction in one mark: not told apart
     if tag_code(tag) in REDUCTIONS:
         from ..reduce_op import reduction_text  # (only for this error: no import cycle)
 

@@ -266,7 +266,7 @@ class Matcher:
                     grant = peer
                     break
         if grant is None and tag_code(req.tag):
-            clash = self._waiting_clash(req) or (self.stale.get(req.group) if self.stale else None)
+            clash = self.waiting_clash(req) or (self.stale.get(req.group) if self.stale else None)
             if clash is not None:
                 req.complete(clash)
                 return None, None
@@ -324,7 +324,7 @@ class Matcher:
                         due.append((req.bound, group, tag))
         return due
 
-    def _waiting_clash(self, req: RecvRequest) -> BaseException | None:
+    def waiting_clash(self, req: RecvRequest) -> BaseException | None:
         """The error for ``req`` if a message its source sent for the same call of another
         collective is already here (kept early, or announced by an RTS)."""
         for held in (self.early, self.rts):

@@ -360,8 +360,9 @@ class TcpTransport:
                 p, connect = self._peer(peer)
                 left = self._left.get((group, peer)) if self._left else None
                 if (p.state == "dead" or left is not None) and not self._matcher.has_early(req):
-                    # (what the peer sent before it left is still delivered, below)
-                    req.complete(p.error if p.state == "dead" else left)
+                    # (what the peer sent before it left is still delivered, below; what it
+                    # sent for another call says more than its leaving)
+                    req.complete(self._matcher.waiting_clash(req) or (p.error if p.state == "dead" else left))
                     return req
                 if connect:
                     to_connect.append(p)
