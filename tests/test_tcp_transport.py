@@ -469,3 +469,22 @@ def test_the_matcher_finds_messages_of_calls_this_rank_finished_without_them():
     payloads, untaken = m.forget(7)
     assert sorted(payloads) == [b"p" * 4, b"x" * 8] and m.early_bytes == 0 and not m.early
     assert untaken == ["rank 4 (group rank 1) sent data of its all_reduce (seq 2) that this rank never took"]
+
+    # begin takes no lock: a message of the previous call (one of its kind, which it would
+    # have taken) counted just after begin looked for held ones (begin runs between the two
+    # steps of _hold here) is judged again
+    m = Matcher()
+    m.begin(7, tag(1, bc, 1), members)
+
+    class Interleaved(dict):
+        def get(self, key, default=None):
+            if not self.get_called:
+                self.get_called = True
+                assert m.begin(7, tag(2, ar), members) is None  # (finds nothing held yet)
+            return super().get(key, default)
+
+    m.held = Interleaved()
+    m.held.get_called = False
+    m.keep_early(4, 7, tag(1, bc, 1), b"x" * 8)
+    assert m.held.get_called and "broadcast with root 1 (seq 1)" in str(m.stale[7])
+    assert m.begin(7, tag(3, ar), members) is m.stale[7]

@@ -374,7 +374,8 @@ class Matcher:
 
         Safe without the transport's lock: it reads and sets single dict entries (atomic
         under the GIL) and looks through copies.  A message of the previous call counted
-        while this runs may be missed here; it is reported when the group is destroyed.
+        while this runs, and missed here, is judged again by :meth:`_hold`, which sees the
+        new call.
         """
         if self.stale:
             stale = self.stale.get(group)
@@ -420,6 +421,11 @@ class Matcher:
             return
         key = (group, tag & CALL_MASK)
         self.held[key] = self.held.get(key, 0) + 1
+        if self.calls.get((group, tag & CALL_SPACE_MASK)) != now:
+            # begin (which takes no lock) started the next call meanwhile and may have
+            # looked for held messages before this one was counted: judge it again
+            self._release(group, tag)
+            self._hold(peer, group, tag)
 
     def _release(self, group: int, tag: int) -> None:
         key = (group, tag & CALL_MASK)
