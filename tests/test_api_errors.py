@@ -195,7 +195,7 @@ def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:
     if case == "all_reduce/barrier":
         if first:
             dist.barrier()
-            return True
+            return False  # (a barrier that passes while the others are in all_reduce is wrong)
         dist.all_reduce(x)
         return bool((x == world_size).all())
     if case == "all_gather/all_reduce":  # the same bytes on every rank

@@ -26,11 +26,14 @@ def run_silent_peer(rank: int, world_size: int, backend: str, port: int) -> dict
         sub2 = dist.new_group()
         sub3 = dist.new_group()
         sub4 = dist.new_group(timeout=SHORT)
+        sub5 = dist.new_group(timeout=SHORT)
         out["names"] = [g.group_name for g in (sub, sub2, sub3, sub4)]
-        if rank == 1:  # alive, but away from sub, sub3 and sub4
+        late = np.ones(4, np.float32)
+        if rank == 1:  # alive, but away from sub, sub3 and sub4, and late in sub5
             dist.barrier()
             dist.all_reduce(np.ones(4, np.float32), group=sub2)
             dist.barrier()
+            out["late"] = error_facts(lambda: dist.all_reduce(late, group=sub5))
             return out
         out["timeout"] = error_facts(lambda: dist.all_reduce(np.ones(4, np.float32), group=sub))
         out["again"] = error_facts(lambda: dist.broadcast(np.ones(4, np.float32), src=0, group=sub))
@@ -44,6 +47,7 @@ def run_silent_peer(rank: int, world_size: int, backend: str, port: int) -> dict
         out["abort_seconds"] = time.monotonic() - t0
         out["aborted"] = error_facts(w3.wait)
         out["recv"] = error_facts(lambda: dist.recv(np.ones(4, np.float32), src=1, group=sub4))
+        out["late_timeout"] = error_facts(lambda: dist.all_reduce(late, group=sub5))
         dist.barrier()
     finally:
         t0 = time.monotonic()
@@ -76,6 +80,12 @@ def test_silent_rank_is_reported_within_the_timeout(backend, tmp_path):
     assert rcv["type"] == "DistTimeoutError" and rcv["op"] == "recv" and rcv["peer"] == 1, rcv
     assert SHORT * 0.9 <= rcv["seconds"] < bound
     assert all(x["destroy_seconds"] < 5 for x in results)
+    # a rank that comes to a call after the others gave up on it fails too (rank 0's data
+    # was there: without the abort, shared memory let it finish alone)
+    assert r["late_timeout"]["type"] == "DistTimeoutError", r["late_timeout"]
+    late = results[1]["late"]
+    assert late is not None and late["type"] == "DistBackendError" and late["peer"] == 0, late["text"]
+    assert "timed out after 1 s" in late["text"], late
 
 
 # -- debug levels and logging, in this process ----------------------------------------------

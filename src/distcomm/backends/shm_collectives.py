@@ -116,7 +116,7 @@ HEADER = 64
 _SIZE_WORD, _CALL_WORD = 6, 7
 #: The collectives' codes in header word 7 (those their messages carry over a channel).
 _CODES, _NAMES = COLLECTIVE_CODES, COLLECTIVE_NAMES
-_ALLREDUCE, _ALLTOALL = _CODES["all_reduce"], _CODES["all_to_all"]
+_ALLREDUCE, _ALLTOALL, _BARRIER = _CODES["all_reduce"], _CODES["all_to_all"], _CODES["barrier"]
 #: Bytes of one piece when a direct reduction goes piece by piece (the accumulator
 #: stays in cache while every peer's piece is added; a peer's private piece is read
 #: into a scratch buffer this large).  1 MiB against 256 KiB, 2 ranks, arrays refreshed
@@ -323,10 +323,11 @@ class ShmCollectives:
                    "ranks passed arrays of different sizes")
         raise DistBackendError(why, peer=self.ctl.global_rank(j))
 
-    def _mark_rooted(self, q: int, code: int, root: int) -> int:
+    def _mark_rooted(self, q: int, code: int, root: int | None) -> int:
         """Publish beside my counter that this rank calls ``code`` with ``root`` at phase ``q``
-        (before posting it); returns the mark.  For the rooted collectives whose non-roots
-        read the root's slot alone, so that ranks disagreeing on the root find out."""
+        (before posting it); returns the mark.  For the collectives where some ranks write
+        no slot (rooted ones whose non-roots read the root's slot alone, and barrier), so
+        that ranks disagreeing on the call or the root find out."""
         mark = q << 12 | root_mark(root) << 4 | code
         self._call_words[self._my_calls + q % CALL_WORDS] = mark
         return mark
@@ -429,8 +430,18 @@ class ShmCollectives:
     # -- collectives ------------------------------------------------------------------------
     def barrier(self, seq: int, deadline: Deadline) -> None:
         q = self._begin()
+        mark = self._mark_rooted(q, _BARRIER, None)
         self.ctl.post(q)
         self.ctl.wait_all(q, deadline)
+        self._check_rooted(q, mark)
+        # a peer that wrote a slot header in this phase called a collective that writes one
+        words = self._words
+        for j in self._peers_from_next:
+            for slot in words[j]:
+                call = slot[_CALL_WORD]
+                if call >> 12 == q:
+                    raise DistBackendError(clash_text(self.ctl.describe(j), call & 15, _BARRIER),
+                                           peer=self.ctl.global_rank(j))
 
     def allreduce(self, arr: np.ndarray, combine: Combine, seq: int, deadline: Deadline) -> None:
         arr = _flat(arr)

@@ -209,7 +209,7 @@ class RecvRequest(_Done):
         return peer in self.members
 
     def describe(self) -> str:
-        who = f"rank {self.members[self.peer]}" if self.peer is not None else "any rank"
+        who = _who(self.peer, self.members) if self.peer is not None else "any rank"
         return f"waiting for {who} to send {len(self.view)} bytes (tag {self.tag:#x})"
 
 

@@ -151,6 +151,7 @@ class Control:
         self.size = size
         raw = np.frombuffer(mem, np.uint8, control_bytes(size))
         self._header = raw[:LINE].view(np.int64)
+        self._aborted = memoryview(self._header)  # word 0: 1 + the aborting rank (0: none)
         asleep_end = LINE + ((size * 4 + LINE - 1) // LINE) * LINE
         self._asleep = raw[LINE : LINE + size]  # one byte a rank, read 8 at a time by posters
         # memoryviews: indexing one gives a Python int, several times cheaper than NumPy's scalars
@@ -229,23 +230,28 @@ class Control:
 
     # -- waiting ------------------------------------------------------------------------------
     def wait_all(self, target: int, deadline: Deadline) -> None:
-        """Wait until every rank's counter is at least ``target``."""
+        """Wait until every rank's counter is at least ``target``; raise if the group was
+        aborted (a rank that comes late to a call the others gave up on fails like them)."""
         if self._seen_all >= target:
             return
         counters = self.counters
-        if min(counters) >= target:  # (a loop in C: the usual case at small sizes)
-            self._seen_all = target
-            return
-        for r in range(self.size):
-            if counters[r] < target:
-                self.wait(r, target, deadline)
+        if min(counters) < target:  # (a loop in C: usually every rank is there at small sizes)
+            for r in range(self.size):
+                if counters[r] < target:
+                    self._wait(r, target, deadline)
+        if self._aborted[0]:
+            self._check_aborted()
         self._seen_all = target
 
     def wait(self, peer: int, target: int, deadline: Deadline) -> None:
-        """Wait until ``peer``'s counter is at least ``target``."""
+        """Wait until ``peer``'s counter is at least ``target``; raise if the group was aborted."""
+        if self.counters[peer] < target:
+            self._wait(peer, target, deadline)
+        if self._aborted[0]:
+            self._check_aborted()
+
+    def _wait(self, peer: int, target: int, deadline: Deadline) -> None:
         counters = self.counters
-        if counters[peer] >= target:
-            return
         clock = time.perf_counter
         now = clock()
         end = now + self.spin_s
@@ -284,15 +290,18 @@ class Control:
         finally:
             asleep[me] = 0
 
-    def _check_alive(self, peer: int, deadline: Deadline) -> None:
-        if self._cancelled is not None:
-            raise self._cancelled
-        # an aborted group first: peers that left or exited since may have done so because of
-        # it, and the abort names the cause
+    def _check_aborted(self) -> None:
+        """Raise the abort's error if a rank aborted the group."""
         by = self.aborted_by()
         if by is not None:
             culprit = int(self._header[1]) - 1
             reason = self.reason(by) if self.reason is not None else ""
+            if culprit == self._global[self.rank]:
+                raise DistBackendError(
+                    f"{self._describe(by)} aborted the group because of this rank"
+                    + (f": {reason}" if reason else ""),
+                    peer=self._global[by],
+                )
             if culprit >= 0 and culprit != self._global[by]:
                 raise DistBackendError(
                     f"rank {culprit} failed, as {self._describe(by)} found and aborted the group"
@@ -304,6 +313,13 @@ class Control:
                 f"{self._describe(by)} aborted the group (an operation failed there, or it called abort)",
                 peer=self._global[by],
             )
+
+    def _check_alive(self, peer: int, deadline: Deadline) -> None:
+        if self._cancelled is not None:
+            raise self._cancelled
+        # an aborted group first: peers that left or exited since may have done so because of
+        # it, and the abort names the cause
+        self._check_aborted()
         if self._left[peer]:
             raise DistBackendError(
                 f"{self._describe(peer)} destroyed its process group (or its program ended) while this rank "

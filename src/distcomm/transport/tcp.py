@@ -1202,7 +1202,8 @@ class TcpTransport:
 
     def _on_abort(self, p: _Peer, group: int, lost: int, data) -> None:
         reason = bytes(data).decode("utf-8", "replace")
-        peer = p.rank if lost == w.NO_RANK else lost  # the cause, else the rank that gave up
+        # the cause, else (none known, or this rank) the rank that gave up
+        peer = p.rank if lost in (w.NO_RANK, self.rank) else lost
         err = DistBackendError(f"rank {p.rank} gave up on the group: {reason}", peer=peer)
         with self._mu:
             self._aborted.setdefault(group, err)  # receives posted later fail too
