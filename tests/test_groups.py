@@ -8,6 +8,7 @@ import pytest
 from collective_cases import BACKENDS, BIG_WORLD, Report, init, run_groups, run_world
 
 import distcomm as dist
+from distcomm.testing import free_port, run_ranks
 
 
 def check_reports(reports: list[Report]) -> None:
@@ -199,3 +200,36 @@ def _subgroup_wait_timeout(rank: int, world_size: int, backend: str, port: int) 
 def test_a_wait_timeout_in_a_subgroup_names_its_members_by_global_rank(backend):
     text = run_world(_subgroup_wait_timeout, 3, backend, timeout=45)[2]
     assert text is not None and text.endswith("it involves ranks [1, 2] of group '1:1'"), text
+
+
+def _group_without_world(rank: int, world_size: int, port: int) -> list:
+    """The module-level functions on a group of one's own, with no default group."""
+    from distcomm.ft import ReconfigurableProcessGroup
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=30)
+    pg = ReconfigurableProcessGroup("auto", timeout=20)
+    try:
+        pg.configure(f"127.0.0.1:{port}/g/0", rank, world_size)
+        x = np.full(3, float(rank + 1))
+        dist.all_reduce(x, group=pg)
+        y = np.full(2, float(rank))
+        dist.broadcast(y, src=1, group=pg)
+        got = [x.tolist(), y.tolist(), dist.get_rank(pg), dist.get_world_size(pg), dist.is_initialized()]
+        dist.barrier(group=pg)
+        return got
+    finally:
+        pg.shutdown()
+        if rank == 0:
+            store.wait(["1 done"])  # the peer is done with the store this rank serves
+        else:
+            store.set("1 done", "1")
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_functions_take_a_group_without_a_default_group():
+    """As in torch: ``all_reduce(x, group=pg)`` needs no ``init_process_group`` (a replica of
+    a fault-tolerant job has only its own group)."""
+    results = run_ranks(_group_without_world, 2, free_port(), timeout=50)
+    for rank, got in enumerate(results):
+        assert got == [[3.0] * 3, [1.0] * 2, rank, 2, False], (rank, got)

@@ -345,10 +345,12 @@ def _teardown_at_exit() -> None:
 
 # -- queries -----------------------------------------------------------------------------
 def _group(group: ProcessGroup | None) -> ProcessGroup:
-    world = _require_world()
     if group is None:
+        world = _require_world()
         assert world.default is not None
         return world.default
+    # (a group given works without a default group, as in torch: e.g. a fault-tolerant
+    # replica's own ReconfigurableProcessGroup)
     if not isinstance(group, ProcessGroup):
         if isinstance(group, _NonMember):
             raise DistInputError(
