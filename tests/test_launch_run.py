@@ -205,6 +205,31 @@ def test_a_failing_worker_stops_the_others(tmp_path, how):
     assert tail[-1].strip() == "the last words of rank 1" and "stderr line 29" in tail[-2]
 
 
+def test_the_others_may_name_a_killed_worker_before_they_are_stopped(tmp_path):
+    """A worker killed by a signal says nothing; the others, waiting on it in a collective,
+    notice it within the launcher's short grace: their errors name it and their flight
+    recorders dump, for `distcomm trace analyze`."""
+    prog = write(tmp_path, "killed.py", """
+        import os, signal
+        import numpy as np
+        import distcomm as dist
+        dist.init_process_group("shm")
+        x = np.ones(1 << 16, np.float32)
+        for step in range(1_000_000):
+            if dist.get_rank() == 1 and step == 50:
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(x)
+    """)
+    flight = tmp_path / "flight"
+    env = {**os.environ, "DISTCOMM_FLIGHT_RECORDER_DIR": str(flight)}
+    out = subprocess.run([*RUN, "--nproc-per-node", "2", prog], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 1
+    assert "was killed by SIGKILL" in out.stderr, out.stderr
+    assert "rank 1 died (its process exited)" in out.stderr, out.stderr
+    assert (flight / "rank0.json").exists(), out.stderr
+
+
 def test_restart_after_a_failure(tmp_path):
     prog = write(tmp_path, "flaky.py", """
         import os, sys

@@ -7,7 +7,8 @@ the rendezvous round from the store, to learn that another node restarted,
 gave up, or wants to join.
 
 * A worker exits non-zero: the others get SIGTERM (their whole process
-  groups), SIGKILL after ``--shutdown-timeout``; the group restarts if
+  groups; after a worker killed by a signal, only once they had
+  :data:`NOTICE_GRACE` to fail by themselves), SIGKILL after ``--shutdown-timeout``; the group restarts if
   restarts remain (a new rendezvous round, so every node restarts), else the
   launcher prints the rank, exit code or signal, and the tail of its stderr,
   and exits with status 1.
@@ -47,6 +48,9 @@ EXIT_BARRIER_TIMEOUT = 300.0
 #: read why, at most this long (s): closing at once would leave them without the message,
 #: their workers running on.
 ABORT_LINGER = 10.0
+#: Most seconds the others get to notice, by themselves, a worker killed by a signal
+#: before they are stopped: their errors name it and their flight recorders dump.
+NOTICE_GRACE = 0.5
 #: Seconds a store on this machine (another launcher's) gets to answer our handshake.
 LOCAL_STORE_ANSWER = 5.0
 #: Timeout of store calls while workers run (they never wait for keys).
@@ -359,14 +363,18 @@ class Agent:
         for w in live:
             w.stopped_by_us = True
             w.signal_group(sig)
-        deadline = Deadline(grace)
-        while any(w.poll() is None for w in live) and not deadline.expired():
-            self._pump(min(0.05, max(deadline.remaining(), 0.0)))
+        self._await_exits(live, grace)
         for w in live:
             w.signal_group(signal.SIGKILL)  # stragglers
         for w in self.workers:
             w.poll(block=True)  # reaps, after killing what the worker left in its group
             self._release(w)
+
+    def _await_exits(self, workers: list[Worker], seconds: float) -> None:
+        """Handle output and exits until ``workers`` all exited, or for ``seconds``."""
+        deadline = Deadline(seconds)
+        while any(w.poll() is None for w in workers) and not deadline.expired():
+            self._pump(min(0.05, max(deadline.remaining(), 0.0)))
 
     # -- watching ------------------------------------------------------------
     def _monitor(self, m: Membership) -> int | None:
@@ -458,6 +466,8 @@ class Agent:
         others = sum(1 for x in self.workers if x.returncode is None)
         self._release(w)  # its last output first, then our report
         _say(f"{what}; stopping the other {others} worker{'s' if others != 1 else ''}" if others else what)
+        if code < 0:  # killed: it said nothing; the others may say what they saw of it
+            self._await_exits([x for x in self.workers if x.returncode is None], NOTICE_GRACE)
         self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
         if self.cfg.nnodes[1] > 1:  # did another node fail first (and take ours down)?
             outcome = self._round_changed(m)
