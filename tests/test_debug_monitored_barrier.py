@@ -7,6 +7,8 @@ covers every case.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from collective_cases import BACKENDS, error_facts, init, run_world
@@ -70,3 +72,32 @@ def test_monitored_barrier_names_the_missing_ranks(backend, tmp_path):
     late = results[1]["late"]
     assert late is not None and late["seconds"] < 2, late
     assert all(r["world"] == [4.0, 4.0] for r in results)
+
+
+LATE = 3.0  # rank 0's delay: the others give up waiting for its answer after 2 * TIMEOUT
+
+
+def run_late_root(rank: int, world_size: int, backend: str, port: int) -> dict | None:
+    init(rank, world_size, backend, port, timeout=30)
+    try:
+        group = dist.new_group()
+        dist.barrier(group)
+        if rank == 0:
+            time.sleep(LATE)
+        return error_facts(lambda: dist.monitored_barrier(group, timeout=TIMEOUT))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_late_rank_0_does_not_blame_the_ranks_that_arrived(backend):
+    results = run_world(run_late_root, 3, backend, timeout=45)
+    e = results[0]
+    assert e is not None and "failed to pass" not in e["text"], e
+    assert "rank 0 reached monitored_barrier too late: the ranks that arrived gave up waiting for its answer" \
+           in e["text"], e
+    assert e["ranks"] is None and e["seconds"] < 2, e
+    for rank in (1, 2):
+        assert "rank 0 did not answer monitored_barrier" in results[rank]["text"] or \
+               "gave up on the group" in results[rank]["text"], results[rank]

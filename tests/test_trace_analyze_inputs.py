@@ -147,3 +147,17 @@ def test_a_dump_file_instead_of_its_directory(tmp_path, capsys):
     assert rc == 2 and err.strip() == f"distcomm trace analyze: {tmp_path / 'notes.txt'}: not a directory"
     rc, out, err = _run(capsys, tmp_path / "nope")
     assert rc == 2 and err.strip() == f"distcomm trace analyze: {tmp_path / 'nope'}: no such directory"
+
+
+def test_dumps_of_another_run_are_left_out(tmp_path, capsys):
+    # rank1.json is left from an earlier run in the same directory
+    _write(tmp_path, "rank0.json", _dump(0, [_entry(1), _entry(2, state="started")], run_id="new", time=2000.0))
+    _write(tmp_path, "rank1.json", _dump(1, [_entry(1, op="broadcast", state="failed")], run_id="old"))
+    _write(tmp_path, "rank0-copy.json", _dump(0, [], run_id="new", time=1500.0))
+    rc, out, err = _run(capsys, tmp_path)
+    assert rc == 0, err
+    assert "dumps from rank 0; missing: rank 1" in out and GOOD_TEXT.replace("10.0", "1010.0") in out, out
+    assert "broadcast" not in out, out
+    assert "warning: left out rank1.json: it is from another run (run id old, written " in out, out
+    assert "than the newest dumps (run id new)" in out, out
+    assert "warning: left out rank0-copy.json: rank0.json is a newer dump of rank 0" in out, out

@@ -7,9 +7,12 @@
   are stuck in it, which failed in it and which never entered it;
 * collectives that ranks issued in different orders or with different
   arguments (sequence number N is ``all_reduce`` on some ranks and
-  ``broadcast`` on others);
-* point-to-point operations still waiting;
-* ranks that wrote no dump.
+  ``broadcast`` on others), and ranks that disagree on a group's members;
+* point-to-point operations that failed or still wait;
+* ranks that wrote no dump, and those the others' errors say exited;
+* when the dumps record no operation that explains it, the groups they say broke.
+
+Dumps of another run than the newest in the directory are left out, with a warning.
 
 It returns a :class:`Report`: ``findings`` (one dict per fact, for programs)
 and ``text()`` in plain words, the likely cause first.
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .flight_recorder import PACKAGE_DIR
 
 __all__ = ["load", "analyze", "Report", "MAX_WORLD_SIZE"]
 
@@ -30,7 +36,17 @@ __all__ = ["load", "analyze", "Report", "MAX_WORLD_SIZE"]
 MAX_WORLD_SIZE = 2**20
 _MAX_TIME = 1e11  # seconds since the epoch (the year 5138): later times are corrupt
 _PENDING = ("scheduled", "started")
-_COMPARED = ("op", "shape", "dtype", "root", "reduce_op", "send_counts", "recv_counts")
+_COMPARED = ("op", "shape", "dtype", "root", "reduce_op")
+#: Collectives whose recorded shape (the rank's own input) may differ between ranks; their
+#: split sizes are compared pairwise instead.
+_OWN_SHAPE = ("all_to_all", "all_to_all_single")
+_MAX_MISMATCHES = 5  # collectives with different arguments listed per group
+_GAVE_UP = "gave up on the group"  # an error caused by another rank's failure
+_RANK_RE = r"rank (\d+)(?: \(group rank \d+\))?"
+#: What errors say when a rank's process is gone (the transports' words).
+_EXITED = re.compile(rf"{_RANK_RE}(?:'s memory failed:|:| never connected and no longer listens at \S+:) "
+                     rf"its process exited|{_RANK_RE} (?:died|was killed)\b")
+_FAILED_REASON = re.compile(r"group '(.*?)' failed: (.*)", re.S)  # flight_recorder._on_failure's reason
 
 
 @dataclass
@@ -75,26 +91,44 @@ def _ranks(ranks: list[int] | set[int]) -> str:
 
 
 def load(directory: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """Every readable dump (``*.json``) in ``directory`` by global rank, and what could not be read
-    (a file that is not JSON, or not a dump the analysis can use: see :func:`_checked`)."""
-    dumps: dict[int, dict[str, Any]] = {}
+    """Every readable dump (``*.json``) of the newest run in ``directory`` by global rank, and
+    what could not be read (a file that is not JSON, or not a dump the analysis can use: see
+    :func:`_checked`) or was left out (see :func:`_one_run`)."""
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith("."))
     except OSError as e:
-        return dumps, [f"cannot list {directory}: {e.strerror or e}"]
+        return {}, [f"cannot list {directory}: {e.strerror or e}"]
     errors: list[str] = []
+    found: list[tuple[str, dict[str, Any]]] = []
     for name in names:
         try:
             with open(os.path.join(directory, name)) as f:
-                d = _checked(json.load(f))
+                found.append((name, _checked(json.load(f))))
         except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad dump, bad UTF-8
             errors.append(f"cannot read {name}: {e}")
-            continue
+    return _one_run(found, errors), errors
+
+
+def _one_run(found: list[tuple[str, dict[str, Any]]], errors: list[str]) -> dict[int, dict[str, Any]]:
+    """The dumps of the newest run (the run of the newest dump; a dump without a run id goes
+    with any), each rank's newest; each dump left out is listed in ``errors``, saying why."""
+    found = sorted(found, key=lambda f: f[1].get("time") or 0.0, reverse=True)  # newest first
+    run = next((d["run_id"] for _, d in found if d.get("run_id") is not None), None)
+    kept: dict[int, tuple[str, dict[str, Any]]] = {}
+    for name, d in found:
         rank = d["rank"]
-        if rank in dumps and (dumps[rank].get("time") or 0) > (d.get("time") or 0):
-            continue
-        dumps[rank] = d
-    return dumps, errors
+        if d.get("run_id") not in (None, run):
+            errors.append(f"left out {name}: it is from another run (run id {d['run_id']}, written "
+                          f"{_clock(d)}) than the newest dumps (run id {run})")
+        elif rank in kept:
+            errors.append(f"left out {name}: {kept[rank][0]} is a newer dump of rank {rank}")
+        else:
+            kept[rank] = (name, d)
+    return {rank: d for rank, (_, d) in kept.items()}
+
+
+def _clock(d: dict[str, Any]) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(d["time"])) if d.get("time") else "?"
 
 
 # -- what a dump must look like (see flight_recorder.snapshot) -----------------------------------
@@ -112,19 +146,24 @@ _TIME: _Check = (lambda x: type(x) in (int, float) and 0 <= x < _MAX_TIME, "a ti
 _RANK: _Check = (_nat, f"a rank (0 to {MAX_WORLD_SIZE - 1})")
 _SEQ: _Check = (lambda x: _nat(x, float("inf")), "a sequence number")
 _SHAPE: _Check = (lambda x: isinstance(x, list) and all(_nat(n, float("inf")) for n in x), "a shape (list of sizes)")
+_COUNTS: _Check = (_SHAPE[0], "a list of element counts")
+_SIZE: _Check = (_SEQ[0], "a number of entries")
 _RANKS: _Check = (lambda x: isinstance(x, list) and all(map(_nat, x)),
                    f"a list of ranks (0 to {MAX_WORLD_SIZE - 1})")
 _STACKS: _Check = (lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values()),
                    "an object of thread name: stack")
 
 # field -> check, for the fields the analysis reads; a field may be missing or null unless required
-_DUMP: dict[str, _Check] = {"time": _TIME, "entries": _LIST, "groups": _LIST, "stacks": _STACKS}
+_DUMP: dict[str, _Check] = {
+    "time": _TIME, "run_id": _STR, "reason": _STR, "recorder_size": _SIZE, "package_dir": _STR,
+    "entries": _LIST, "groups": _LIST, "stacks": _STACKS,
+}
 _ENTRY: dict[str, _Check] = {
     "group": _STR, "op": _STR, "state": _STR, "seq": _SEQ, "scheduled": _TIME, "started": _TIME,
     "finished": _TIME, "shape": _SHAPE, "dtype": _STR, "root": _RANK, "reduce_op": _STR, "peer": _RANK,
-    "error": _STR,
+    "error": _STR, "send_counts": _COUNTS, "recv_counts": _COUNTS,
 }
-_GROUP: dict[str, _Check] = {"name": _STR, "ranks": _RANKS, "backend": _STR}
+_GROUP: dict[str, _Check] = {"name": _STR, "ranks": _RANKS, "backend": _STR, "broken": _STR}
 
 
 def _show(x: Any) -> str:
@@ -172,11 +211,24 @@ def _call(e: dict[str, Any], ranks: list[int] | None = None) -> str:
     if e.get("dtype"):
         text += f" {e['dtype']}"
     if e.get("root") is not None:
-        root = ranks[e["root"]] if ranks and e["root"] < len(ranks) else e["root"]
-        text += f", root rank {root}"
+        text += f", root rank {_global(ranks, e['root'])}"
     if e.get("reduce_op"):
         text += f", {e['reduce_op']}"
     return text + ")"
+
+
+def _common_call(entries: list[dict[str, Any]], ranks: list[int]) -> str:
+    """What several ranks' entries of one collective have in common, in words."""
+    texts = {_call(e, ranks) for e in entries}
+    if len(texts) == 1:
+        return texts.pop()
+    ops = {e["op"] for e in entries}
+    return f"{ops.pop()} (seq {entries[0]['seq']})" if len(ops) == 1 else f"collective seq {entries[0]['seq']}"
+
+
+def _global(ranks: list[int] | None, r: int | None) -> int | None:
+    """Global rank of group rank ``r`` (``r`` itself when the members are unknown)."""
+    return ranks[r] if ranks and r is not None and r < len(ranks) else r
 
 
 def _age(dump: dict[str, Any], e: dict[str, Any]) -> str:
@@ -186,28 +238,50 @@ def _age(dump: dict[str, Any], e: dict[str, Any]) -> str:
     return f" for {max(0.0, dump['time'] - since):.1f} s"
 
 
+def _root_error(errors: list[str | None]) -> str | None:
+    """The first error that is not only another rank giving up on the group, else the first."""
+    errors = [e for e in errors if e]
+    return next((e for e in errors if _GAVE_UP not in e), errors[0] if errors else None)
+
+
 def _where(dump: dict[str, Any]) -> str | None:
     """The innermost frame of the main thread outside distcomm (and its line), from the dump's stacks."""
-    for name, stack in dump.get("stacks", {}).items():
+    package = (dump.get("package_dir") or PACKAGE_DIR).rstrip(os.sep) + os.sep
+    for name, stack in dump["stacks"].items():
         if not name.startswith("MainThread"):
             continue
         lines = [ln.strip() for ln in stack.splitlines()]
         frames = [(ln, lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else "")
                   for i, ln in enumerate(lines) if ln.startswith("File ")]
-        outside = [f for f in frames if "/distcomm/" not in f[0] and "/threading.py" not in f[0]]
+        outside = [f for f in frames if not f[0].startswith(f'File "{package}') and "/threading.py" not in f[0]]
         if outside:
             frame, code = outside[-1]
             return f"{frame}: {code}" if code else frame
     return None
 
 
+def _exited(dumps: dict[int, dict[str, Any]]) -> set[int]:
+    """The ranks whose process the dumps' errors say exited."""
+    texts = [d.get("reason") or "" for d in dumps.values()]
+    texts += [x.get("error") or x.get("broken") or "" for d in dumps.values() for x in d["entries"] + d["groups"]]
+    return {int(next(g for g in m.groups() if g)) for t in texts for m in _EXITED.finditer(t)}
+
+
 def _groups(dumps: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every group of the dumps: name, backend, ``views`` (each dump's list of its members) and
+    ``ranks`` (the members every view agrees on, else all of them, sorted; None if unknown)."""
     groups: dict[str, dict[str, Any]] = {}
-    for d in dumps.values():
-        for g in d.get("groups", []):
-            groups.setdefault(g["name"], dict(g))
-        for e in d.get("entries", []):
-            groups.setdefault(e["group"], {"name": e["group"], "ranks": None, "backend": "?"})
+    for r, d in sorted(dumps.items()):
+        for g in d["groups"]:
+            info = groups.setdefault(g["name"], {"name": g["name"], "backend": g.get("backend") or "?", "views": {}})
+            if g.get("ranks") is not None:
+                info["views"][r] = g["ranks"]
+        for e in d["entries"]:
+            groups.setdefault(e["group"], {"name": e["group"], "backend": "?", "views": {}})
+    for g in groups.values():
+        views = list(g["views"].values())
+        g["ranks"] = (views[0] if all(v == views[0] for v in views) else sorted(set().union(*views))) if views \
+            else None
     return groups
 
 
@@ -222,30 +296,51 @@ def analyze(directory: str) -> Report:
     if not dumps:
         report.causes.append(report.add("no_dumps", f"no readable dump in {directory}"))
         return report
-    for name, g in _groups(dumps).items():
-        _group(report, dumps, name, g)
-    _p2p(report, dumps)
+    dead = _exited(dumps)
+    groups = _groups(dumps)
+    conflicts = {name: text for name, g in groups.items() if (text := _conflict(name, g["views"]))}
+    report.causes.extend(conflicts.values())  # first: they explain the rest
+    for name, g in groups.items():
+        _group(report, dumps, name, g, dead, conflicts.get(name))
+    _p2p(report, dumps, groups)
+    if not report.causes:
+        _broken(report, dumps)
     _dump_list(report, dumps)
     if missing:
-        report.sections.append(("Missing dumps:", [report.add(
-            "missing", f"{_ranks(missing)} wrote no dump: dead, stuck outside distcomm, or not failed "
-            "yet (kill -USR1 <pid> makes a live rank write one)", ranks=missing)]))
+        gone = [r for r in missing if r in dead]
+        body = [report.add("missing", f"{_ranks(rs)} wrote no dump: {why}", ranks=rs) for rs, why in (
+            (gone, f"{_its(gone)} exited, as the other ranks' errors say"),
+            ([r for r in missing if r not in dead], "dead, stuck outside distcomm, or not failed yet (kill -USR1 "
+             "<pid> makes a live rank write one)")) if rs]
+        report.sections.append(("Missing dumps:", body))
     return report
 
 
-def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[str, Any]) -> None:
-    members: list[int] = g.get("ranks") or sorted(
-        r for r, d in dumps.items() if any(e["group"] == name for e in d.get("entries", []))
+def _plural(ranks: list[int], one: str, many: str) -> str:
+    return one if len(ranks) == 1 else many
+
+
+def _its(ranks: list[int]) -> str:
+    return _plural(ranks, "its process", "their processes")
+
+
+def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[str, Any], dead: set[int],
+           conflict: str | None) -> None:
+    """The group's section, and the likely cause at its frontier unless ``conflict`` (the ranks
+    disagree on its members) or a mismatch there explains it."""
+    members: list[int] = g["ranks"] or sorted(
+        r for r, d in dumps.items() if any(e["group"] == name for e in d["entries"])
     )
     # per rank: seq -> entry (collectives of this group only)
     seen: dict[int, dict[int, dict[str, Any]]] = {}
     for r in members:
         if r in dumps:
-            seen[r] = {e["seq"]: e for e in dumps[r].get("entries", [])
-                       if e["group"] == name and e.get("seq") is not None}
+            seen[r] = {e["seq"]: e for e in dumps[r]["entries"] if e["group"] == name and e.get("seq") is not None}
     body: list[str] = []
-    title = f"Group {name!r} ({_ranks(members)}, backend {g.get('backend', '?')}):"
-    _order(report, body, name, members, seen)
+    title = f"Group {name!r} ({_ranks(members)}, backend {g['backend']}):"
+    if conflict:
+        body.append(report.add("members", conflict, group=name, views={str(r): v for r, v in g["views"].items()}))
+    mismatched = _order(report, body, name, members, seen)
     frontier = _frontier(seen)
     if frontier is None:
         last = max((max(s) for s in seen.values() if s), default=None)
@@ -254,11 +349,11 @@ def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[
                                    f"(last: seq {last})", group=name))
         report.sections.append((title, body))
         return
-    ref = next(s[frontier] for s in seen.values() if frontier in s)
-    call = _call(ref, members)
+    at = {r: s[frontier] for r, s in seen.items() if frontier in s}
+    call = _common_call(list(at.values()), members)
     stuck, failed, absent, passed = [], [], [], []
-    for r, s in seen.items():
-        e = s.get(frontier)
+    for r in seen:
+        e = at.get(r)
         if e is None:
             absent.append(r)
         elif e["state"] in _PENDING:
@@ -269,11 +364,11 @@ def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[
             passed.append(r)
     lost = [r for r in members if r not in dumps]
     for r in stuck:
-        body.append(report.add("stuck", f"rank {r} is stuck in {call}{_age(dumps[r], seen[r][frontier])}",
-                               group=name, rank=r, seq=frontier, op=ref["op"]))
+        body.append(report.add("stuck", f"rank {r} is stuck in {_call(at[r], members)}{_age(dumps[r], at[r])}",
+                               group=name, rank=r, seq=frontier, op=at[r]["op"]))
     for r in failed:
-        body.append(report.add("failed", f"rank {r} failed in {call}: {seen[r][frontier].get('error', '?')}",
-                               group=name, rank=r, seq=frontier, op=ref["op"]))
+        body.append(report.add("failed", f"rank {r} failed in {_call(at[r], members)}: {at[r].get('error', '?')}",
+                               group=name, rank=r, seq=frontier, op=at[r]["op"]))
     for r in absent:
         before = max((q for q in seen[r] if q < frontier), default=None)
         last = f"its last collective here: {_call(seen[r][before], members)}, {seen[r][before]['state']}" \
@@ -281,29 +376,60 @@ def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[
         where = _where(dumps[r])
         body.append(report.add(
             "never_entered", f"rank {r} never entered {call} ({last})" + (f"; it is at {where}" if where else ""),
-            group=name, rank=r, seq=frontier, op=ref["op"]))
+            group=name, rank=r, seq=frontier))
     if passed:
-        body.append(report.add("passed", f"{_ranks(passed)} completed {call}", group=name, ranks=passed))
+        body.append(report.add("passed", f"{_ranks(passed)} completed {_common_call([at[r] for r in passed], members)}",
+                               group=name, ranks=passed))
     for r in lost:
-        body.append(report.add("no_dump", f"rank {r} wrote no dump", group=name, rank=r))
-    waiting = stuck + failed + passed
-    err = seen[failed[0]][frontier].get("error", "?") if failed else None
-    if absent and waiting:
-        report.causes.append(report.add(
-            "cause", f"{_ranks(absent)} never entered {call} on group {name!r}, which {_ranks(waiting)} "
-            f"entered" + (f" (the error: {err})" if err else ""), group=name, ranks=absent, seq=frontier))
-    elif lost and waiting:
-        report.causes.append(report.add(
-            "cause", f"{_ranks(lost)} wrote no dump, and {_ranks(waiting)} entered {call} on group {name!r} "
-            f"and {'failed' if failed else 'wait there'}: {_ranks(lost)} probably never entered it (dead, or "
-            "stuck elsewhere)" + (f"; the error: {err}" if err else ""), group=name, ranks=lost, seq=frontier))
-    elif failed:
-        report.causes.append(report.add("cause", f"{call} on group {name!r} failed on {_ranks(failed)}: {err}",
-                                        group=name, ranks=failed, seq=frontier))
-    elif stuck:
-        report.causes.append(report.add("cause", f"{_ranks(stuck)} are stuck in {call} on group {name!r}",
-                                        group=name, ranks=stuck, seq=frontier))
+        body.append(report.add("no_dump", f"rank {r} wrote no dump" + (" (its process exited)" if r in dead else ""),
+                               group=name, rank=r))
+    if conflict or frontier in mismatched:
+        report.sections.append((title, body))  # the disagreement found above is the cause
+        return
+    err = _root_error([at[r].get("error") for r in failed])
+    for ranks, text in _verdicts(name, call, stuck + failed + passed, absent, lost, dead, failed, stuck, err):
+        report.causes.append(report.add("cause", text, group=name, ranks=ranks, seq=frontier))
     report.sections.append((title, body))
+
+
+def _verdicts(name: str, call: str, waiting: list[int], absent: list[int], lost: list[int], dead: set[int],
+              failed: list[int], stuck: list[int], err: str | None) -> list[tuple[list[int], str]]:
+    """The likely causes at a group's frontier ``call``: (the ranks to blame, one sentence)."""
+    the_error = f"; the error: {err}" if err else ""
+    if absent and waiting:
+        return [(absent, f"{_ranks(absent)} never entered {call} on group {name!r}, which {_ranks(waiting)} entered"
+                 + (f" (the error: {err})" if err else ""))]
+    if lost and waiting:
+        entered = f"{_ranks(waiting)} entered {call} on group {name!r} and " \
+            f"{'failed' if failed else _plural(waiting, 'waits there', 'wait there')}"
+        gone = [r for r in lost if r in dead]
+        unknown = [r for r in lost if r not in dead]
+        verdicts = []
+        if gone:
+            verdicts.append((gone, f"{_ranks(gone)} died (the errors say {_its(gone)} exited), and {entered}"
+                             f"{the_error}"))
+        if unknown:
+            verdicts.append((unknown, f"{_ranks(unknown)} wrote no dump, and {entered}: {_ranks(unknown)} probably "
+                             f"never entered it (dead, or stuck elsewhere){the_error}"))
+        return verdicts
+    if failed:
+        return [(failed, f"{call} on group {name!r} failed on {_ranks(failed)}: {err}")]
+    if stuck:
+        return [(stuck, f"{_ranks(stuck)} {_plural(stuck, 'is', 'are')} stuck in {call} on group {name!r}")]
+    return []
+
+
+def _conflict(name: str, views: dict[int, list[int]]) -> str | None:
+    """What the dumps disagree on about the members of group ``name`` (a likely cause: the
+    ranks did not create the same groups in the same order), or None."""
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for r, ranks in views.items():
+        holders.setdefault(tuple(ranks), []).append(r)
+    if len(holders) < 2:
+        return None
+    sides = "; ".join(f"{_ranks(rs)}: [{', '.join(map(str, view))}]" for view, rs in holders.items())
+    return f"the ranks disagree on the members of group {name!r} ({sides}): they did not all create the same " \
+        "groups in the same order"
 
 
 def _frontier(seen: dict[int, dict[int, dict[str, Any]]]) -> int | None:
@@ -320,50 +446,128 @@ def _frontier(seen: dict[int, dict[int, dict[str, Any]]]) -> int | None:
 
 
 def _order(report: Report, body: list[str], name: str, members: list[int],
-           seen: dict[int, dict[int, dict[str, Any]]]) -> None:
-    """Collectives that ranks issued in different orders or with different arguments."""
+           seen: dict[int, dict[int, dict[str, Any]]]) -> set[int]:
+    """Collectives that ranks issued in different orders or with different arguments (their
+    seqs): the first of each kind is a likely cause; after the first in different orders,
+    later sequence numbers are all shifted and not compared."""
     seqs = sorted(set().union(*[set(s) for s in seen.values()])) if seen else []
+    found: list[int] = []
+    kinds: set[str] = set()
     for q in seqs:
+        at = {r: s[q] for r, s in seen.items() if q in s}
         calls: dict[str, list[int]] = {}
-        for r, s in seen.items():
-            if q in s:
-                key = json.dumps({k: s[q].get(k) for k in _COMPARED if k not in ("send_counts", "recv_counts")},
-                                 sort_keys=True)
-                calls.setdefault(key, []).append(r)
-        if len(calls) < 2:
-            continue
-        parts = []
-        for rs in calls.values():
-            parts.append(f"{_call(seen[rs[0]][q], members)} on {_ranks(rs)}")
-        same_op = len({seen[rs[0]][q]["op"] for rs in calls.values()}) == 1
-        what = "with different arguments" if same_op else "in different orders"
-        text = f"collective seq {q} is " + " but ".join(parts) + f": the ranks issued collectives {what}"
-        body.append(report.add("mismatch", text, group=name, seq=q))
-        report.causes.append(f"group {name!r}: {text}")
-        return  # later sequence numbers are all shifted: the first one says it
-
-
-def _p2p(report: Report, dumps: dict[int, dict[str, Any]]) -> None:
-    groups = _groups(dumps)
-    body = []
-    for r, d in sorted(dumps.items()):
-        for e in d.get("entries", []):
-            if e.get("seq") is not None or e["state"] not in _PENDING:
+        for r, e in at.items():
+            keys = [k for k in _COMPARED if k != "shape" or e["op"] not in _OWN_SHAPE]
+            calls.setdefault(json.dumps({k: e.get(k) for k in keys}, sort_keys=True), []).append(r)
+        if len(calls) > 1:
+            parts = [f"{_common_call([at[r] for r in rs], members)} on {_ranks(rs)}" for rs in calls.values()]
+            kind = "arguments" if len({at[rs[0]]["op"] for rs in calls.values()}) == 1 else "orders"
+            what = "with different arguments" if kind == "arguments" else "in different orders"
+            text = f"collective seq {q} is " + " but ".join(parts) + f": the ranks issued collectives {what}"
+        else:
+            clash = _split_clash(at, members)
+            if clash is None:
                 continue
-            ranks = groups.get(e["group"], {}).get("ranks")
-            peer = e.get("peer")
-            who = "any rank" if peer is None else f"rank {ranks[peer] if ranks and peer < len(ranks) else peer}"
+            kind = "arguments"
+            text = f"collective seq {q} is {_common_call(list(at.values()), members)} on {_ranks(list(at))}, but " \
+                   f"{clash}: the ranks issued collectives with split sizes that do not match"
+        found.append(q)
+        if len(found) <= _MAX_MISMATCHES:
+            body.append(report.add("mismatch", text, group=name, seq=q))
+        if kind not in kinds:
+            kinds.add(kind)
+            report.causes.append(f"group {name!r}: {text}")
+        if kind == "orders":
+            break
+    if len(found) > _MAX_MISMATCHES:
+        body.append(report.add("mismatch_more", f"and {len(found) - _MAX_MISMATCHES} more collectives with "
+                               "different arguments", group=name, seqs=found[_MAX_MISMATCHES:]))
+    return set(found)
+
+
+def _split_clash(at: dict[int, dict[str, Any]], members: list[int]) -> str | None:
+    """What one all-to-all's split sizes disagree on (what rank i sends rank j is not what j
+    expects from i), or None."""
+    for i, r in enumerate(members):
+        sends = (at[r].get("send_counts") or []) if r in at else []
+        for n, peer in zip(sends, members, strict=False):  # (a corrupt dump may list more or fewer)
+            expects = at[peer].get("recv_counts") if peer in at else None
+            if expects is not None and i < len(expects) and expects[i] != n:
+                return f"rank {r} sends {n} elements to rank {peer}, which expects {expects[i]} from it"
+    return None
+
+
+def _p2p(report: Report, dumps: dict[int, dict[str, Any]], groups: dict[str, dict[str, Any]]) -> None:
+    """Point-to-point operations that failed or still wait: likely causes, those whose peer used
+    other tags first, then all but failures that only say another rank gave up on the group
+    (all of them if nothing else explains them)."""
+    body, hinted, causes = [], [], []
+    for r, d in sorted(dumps.items()):
+        for e in d["entries"]:
+            failed = e["state"] == "failed"
+            if e.get("seq") is not None or not (failed or e["state"] in _PENDING):
+                continue
+            g = groups[e["group"]]
+            peer = _global(g["views"].get(r) or g["ranks"], e.get("peer"))
             word = "from" if e["op"] == "recv" else "to"
-            body.append(report.add("p2p_pending", f"rank {r} waits in {e['op']} {word} {who} (tag {e.get('tag')}) "
-                                   f"on group {e['group']!r}{_age(d, e)}", rank=r, op=e["op"], peer=peer))
+            what = f"{e['op']} {word} {'any rank' if peer is None else f'rank {peer}'} (tag {e.get('tag')}) on " \
+                   f"group {e['group']!r}"
+            hint = _tag_hint(dumps, groups, r, e, peer)
+            text = (f"rank {r}'s {what} failed: {e.get('error', '?')}" if failed else
+                    f"rank {r} waits in {what}{_age(d, e)}") + hint
+            body.append(report.add("p2p_failed" if failed else "p2p_pending", text, rank=r, op=e["op"], peer=peer,
+                                   tag=e.get("tag"), group=e["group"]))
+            if hint:
+                hinted.append(text)
+            elif _GAVE_UP not in (e.get("error") or ""):
+                causes.append(text)
     if body:
-        report.sections.append(("Point to point still pending:", body))
+        report.sections.append(("Point to point failed or still pending:", body))
+        report.causes.extend(hinted + causes or ([] if report.causes else body))
+
+
+def _tag_hint(dumps: dict[int, dict[str, Any]], groups: dict[str, dict[str, Any]], r: int, e: dict[str, Any],
+              peer: int | None) -> str:
+    """``; rank P's sends to it used tag T`` when the peer's matching operations on the group
+    all used other tags than ``e``'s (rank ``r``'s send or recv)."""
+    d = dumps.get(peer) if peer is not None else None
+    if d is None:
+        return ""
+    g = groups[e["group"]]
+    other, word = ("send", "sends to") if e["op"] == "recv" else ("recv", "recvs from")
+    tags = {f.get("tag") for f in d["entries"] if f["group"] == e["group"] and f.get("seq") is None
+            and f["op"] == other and _global(g["views"].get(peer) or g["ranks"], f.get("peer")) in (r, None)}
+    if not tags or e.get("tag") in tags:
+        return ""
+    return f"; rank {peer}'s {word} it used tag {', '.join(map(str, sorted(tags, key=str)))}"
+
+
+def _broken(report: Report, dumps: dict[int, dict[str, Any]]) -> None:
+    """Likely causes from the groups the dumps say broke (their failure ``reason`` and
+    ``groups[].broken``), for dumps whose entries explain nothing (the recorder was off, or
+    dropped the operation)."""
+    errors: dict[str, dict[int, str]] = {}  # group -> rank -> error
+    for r, d in sorted(dumps.items()):
+        for g in d["groups"]:
+            if g.get("broken"):
+                errors.setdefault(g["name"], {})[r] = g["broken"]
+        m = _FAILED_REASON.fullmatch(d.get("reason") or "")
+        if m:
+            errors.setdefault(m[1], {}).setdefault(r, m[2])
+    for name, by_rank in errors.items():
+        ranks = sorted(by_rank)
+        off = [r for r in ranks if dumps[r].get("recorder_size") == 0]
+        why = f" ({'its' if len(off) == 1 else 'their'} flight recorder was off: DISTCOMM_FLIGHT_RECORDER_SIZE=0)" \
+            if off else ""
+        report.causes.append(report.add(
+            "broken", f"group {name!r} broke on {_ranks(ranks)}, whose dumps record no operation{why}; the error: "
+            f"{_root_error([by_rank[r] for r in ranks])}", group=name, ranks=ranks))
 
 
 def _dump_list(report: Report, dumps: dict[int, dict[str, Any]]) -> None:
     body = []
     for r, d in sorted(dumps.items()):
-        when = time.strftime("%H:%M:%S", time.localtime(d["time"])) if d.get("time") else "?"
-        body.append(f"rank {r} (pid {d.get('pid')} on {d.get('host')}, {when}, "
-                    f"{len(d.get('entries', []))} entries): {d.get('reason')}")
+        off = ", recorder off" if d.get("recorder_size") == 0 else ""
+        body.append(f"rank {r} (pid {d.get('pid')} on {d.get('host')}, {_clock(d)}, "
+                    f"{len(d['entries'])} entries{off}): {d.get('reason')}")
     report.sections.append(("Dumps:", body))

@@ -37,6 +37,8 @@ __all__ = ["dump_flight_recorder", "dump_dir"]
 ENV_DIR = "DISTCOMM_FLIGHT_RECORDER_DIR"
 ENV_ON_FAILURE = "DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE"
 FORMAT_VERSION = 1
+#: The distcomm package's directory: the analysis tells the program's frames from distcomm's by it.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 log = get_logger("distcomm.debug")
 
@@ -153,6 +155,7 @@ def snapshot(reason: str) -> dict[str, Any]:
         "time": round(time.time(), 6),
         "reason": reason,
         "recorder_size": ring.maxlen if ring is not None else 0,
+        "package_dir": PACKAGE_DIR,
         "groups": [g for g in map(_safe_group_json, list(_groups)) if g is not None],
         "entries": [_entry_json(e, offset) for e in entries],
         "stacks": _stacks(),
@@ -181,8 +184,8 @@ def dump_flight_recorder(path: str | None = None, reason: str = "dump_flight_rec
 
 
 def _on_failure(pg: Any, error: BaseException) -> None:
-    if os.environ.get(ENV_ON_FAILURE, "1").strip().lower() in ("0", "false", "no", "off"):
-        return
+    if rec.ring is None or os.environ.get(ENV_ON_FAILURE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return  # the recorder is off, or failures must not write dumps
     try:
         path = dump_flight_recorder(reason=f"group {pg.group_name!r} failed: {error}"[:1000])
     except Exception as e:  # noqa: BLE001 - a dump must never hide the real error

@@ -4,9 +4,9 @@ Plain data and the standard library only, so :mod:`distcomm.group` can import
 it.  Each operation is one list (fields at the ``F_*`` indices) appended to
 :data:`ring` when it is issued and updated in place as it starts and ends; the
 ring drops the oldest past ``DISTCOMM_FLIGHT_RECORDER_SIZE`` entries (default
-:data:`DEFAULT_SIZE`; ``0`` turns the recorder off).  Times are
-``time.monotonic()``; :mod:`.flight_recorder` turns them into wall-clock
-times when it writes a dump.
+:data:`DEFAULT_SIZE`; ``0`` turns the recorder off, and failures then write no
+dump).  Times are ``time.monotonic()``; :mod:`.flight_recorder` turns them
+into wall-clock times when it writes a dump.
 """
 
 from __future__ import annotations
