@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,6 +208,15 @@ def test_watchdog_aborts_a_blocking_call_past_its_deadline_and_only_then():
     assert not any(t.name == "distcomm-mpi-watchdog" for t in threading.enumerate())
 
 
+def job_env(tmp_path) -> dict[str, str]:
+    """The environment of an mpirun job that may end in MPI_Abort: flight dumps and Open MPI's
+    shared-memory segments (which aborted processes leave behind) under ``tmp_path``."""
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1",
+                DISTCOMM_FLIGHT_RECORDER_DIR=str(tmp_path / "flight"),
+                OMPI_MCA_btl_sm_backing_directory=str(tmp_path / "shm"))
+
+
 HANG_PROG = """
 import time
 import numpy as np
@@ -223,17 +233,121 @@ time.sleep(60)
 def test_a_blocking_collective_nobody_joins_ends_the_job_at_the_group_timeout(tmp_path):
     prog = tmp_path / "hang.py"
     prog.write_text(HANG_PROG)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               DISTCOMM_FLIGHT_RECORDER_DIR=str(tmp_path / "flight"))
     t0 = time.monotonic()
-    proc = subprocess.run([find_mpirun(), "--oversubscribe", "-n", "2", sys.executable, str(prog)],
-                          capture_output=True, text=True, timeout=80, env=env, stdin=subprocess.DEVNULL)
+    try:
+        proc = subprocess.run([find_mpirun(), "--oversubscribe", "-n", "2", sys.executable, str(prog)],
+                              capture_output=True, text=True, timeout=80, env=job_env(tmp_path),
+                              stdin=subprocess.DEVNULL)
+    finally:
+        shutil.rmtree(tmp_path / "shm", ignore_errors=True)
     took = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "MPI_Allreduce of 1048576 bytes per rank did not complete within 2 s" in out, out[-3000:]
     assert took < 40, f"the job ended after {took:.0f} s (group timeout 2 s, rank 1 sleeps 60 s)"
     assert list((tmp_path / "flight").glob("rank0.json")), "no flight recorder dump"
+
+
+LIFECYCLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "mpi_lifecycle.py")
+
+
+def run_lifecycle(scenario: str, tmp_path, n: int = 2, timeout: float = 60) -> tuple[int | None, str, float]:
+    """``mpirun -n n`` of tests/programs/mpi_lifecycle.py SCENARIO: (exit code or None if killed at
+    ``timeout``, output, seconds taken)."""
+    cmd = [find_mpirun(), "--oversubscribe", "-n", str(n), sys.executable, LIFECYCLE, scenario]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=job_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # mpirun then removes its session directory
+        try:
+            out = proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate()[0]
+        code = None
+    finally:
+        shutil.rmtree(tmp_path / "shm", ignore_errors=True)
+    return code, out, time.monotonic() - t0
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_an_uncaught_exception_ends_the_job(tmp_path):
+    """Rank 1 raises while rank 0 waits in all_reduce (30 min default timeout): the traceback is
+    printed, then MPI_Abort ends the job; the hook is installed only while the default group exists."""
+    code, out, took = run_lifecycle("uncaught", tmp_path, timeout=60)
+    assert code not in (0, None), out[-3000:]
+    assert took < 30, f"the job ended after {took:.0f} s"
+    assert out.count("hook installed True, restored True") == 2, out[-3000:]
+    assert "RuntimeError: boom on rank 1" in out and "Traceback" in out, out[-3000:]
+    assert out.index("RuntimeError: boom on rank 1") < out.index("MPI_Abort"), out[-3000:]
+    assert "all_reduce returned" not in out
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_init_that_a_process_never_calls_times_out(tmp_path):
+    """MPI_Comm_idup of MPI_COMM_WORLD is waited for until the group timeout: a DistTimeoutError
+    naming the call, not a hang."""
+    code, out, _ = run_lifecycle("init_never_joined", tmp_path, timeout=60)
+    line = next((x for x in out.splitlines() if x.startswith("rank 0:")), "")
+    assert "DistTimeoutError" in line and "MPI_Comm_idup of MPI_COMM_WORLD" in line, out[-3000:]
+    assert "did not complete within 2 s" in line and "init_process_group" in line, line
+    assert int(line.split(" after ")[1].split(" s")[0]) < 8, line  # before rank 1 wakes up
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_new_group_that_a_member_never_calls_ends_the_job_at_the_group_timeout(tmp_path):
+    """MPI_Comm_create_group has no non-blocking form: the watchdog ends the job, naming it."""
+    code, out, took = run_lifecycle("new_group_never_joined", tmp_path, timeout=60)
+    assert code not in (0, None), out[-3000:]
+    assert "MPI_Comm_create_group of group" in out and "did not complete within 2 s" in out, out[-3000:]
+    assert "new_group returned" not in out
+    assert took < 25, f"the job ended after {took:.0f} s (group timeout 2 s, rank 1 sleeps 30 s)"
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_after_mpi_finalize_calls_raise_instead_of_aborting_the_job(tmp_path):
+    code, out, _ = run_lifecycle("finalized", tmp_path, timeout=60)
+    assert code == 0, out[-3000:]
+    for rank in range(2):
+        for what in ("all_reduce", "barrier", "init"):
+            lines = [x for x in out.splitlines() if x.startswith(f"rank {rank}: {what} raised")]
+            assert lines and "MPI was finalised in this process" in lines[0], (what, out[-3000:])
+        assert f"rank {rank}: destroy returned" in out, out[-3000:]
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_local_rank_and_size_come_from_mpi(tmp_path):
+    code, out, _ = run_lifecycle("local_env", tmp_path, timeout=60)
+    assert code == 0, out[-3000:]
+    for rank in range(2):
+        assert (f"rank {rank}: LOCAL_RANK={rank} LOCAL_WORLD_SIZE=2 node local rank {rank} "
+                f"new_subgroups size 2") in out, out[-3000:]
+        assert f"rank {rank}: set by the program: LOCAL_RANK=7" in out, out[-3000:]
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+def test_every_rank_gets_rank_0s_run_id_without_a_race(tmp_path):
+    """Ranks used to read the run id from rank 0's store after init returned: rank 0's destroy
+    could close the store first (a warning, and each rank its own id)."""
+    code, out, _ = run_lifecycle("run_id", tmp_path, n=3, timeout=60)
+    assert code == 0, out[-3000:]
+    assert "no shared run id" not in out, out[-3000:]
+    ids = [x.split("run id ")[1] for x in out.splitlines() if " run id " in x]
+    assert len(ids) == 9 and len(set(ids)) <= 3 and all(ids), out[-3000:]
+    for rank in range(3):
+        mine = [x.split("run id ")[1] for x in out.splitlines() if x.startswith(f"rank {rank}: run id")]
+        zeros = [x.split("run id ")[1] for x in out.splitlines() if x.startswith("rank 0: run id")]
+        assert mine == zeros, out[-3000:]
 
 
 def test_bad_collectives_mode_is_one_clear_line(monkeypatch):

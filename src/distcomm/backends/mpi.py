@@ -50,6 +50,15 @@ wait, tests its request in a loop (see
 ``Work.wait(timeout)``, abort and ``destroy_process_group()`` work as with
 the other backends.  MPI errors become
 :class:`~distcomm.errors.DistBackendError` with MPI's message.
+
+Making a communicator waits for every member: ``MPI_Comm_idup`` is tested
+until the group timeout, ``MPI_Comm_split(_type)`` and
+``MPI_Comm_create_group`` (which have no non-blocking form) are watched by
+the runtime's watchdog, which ends the job past the timeout.  While the
+default group exists, an exception uncaught in the main thread ends the MPI
+job (``MPI_Abort``) instead of leaving the other processes waiting.  The
+bootstrap sets ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (unless set) from
+``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ import numpy as np
 
 from ..backend_registry import Backend, BackendFactory
 from ..deadline import Deadline
+from ..debug.hooks import new_run_id
 from ..errors import DistBackendError, DistError, DistInputError
 from ..group import describe_rank
 from ..reduce_op import _NAMES, _combiner, op_combiner
@@ -397,8 +407,23 @@ class MpiProcessGroup(ChannelProcessGroup):
         #: (id(op), dtype) -> (op, logical dtype name, checked op, view dtype, MPI datatype, MPI op)
         #: for all_reduce straight to MPI, or (op, None, ...) when the generic path is needed.
         self._plans: dict[tuple[int, np.dtype], tuple[Any, ...]] = {}
+        #: Whether this group made the runtime end the job on an uncaught exception (the default group).
+        self.aborts_on_uncaught = False
+        #: The flight recorder's run id agreed at creation (the default group), or None.
+        self.run_id: str | None = None
         super().__init__(channel, group_name, timeout, ranks, algorithms=self.collectives)
         rt.watchdog.attach()
+        rt.follow(self)
+
+    def abort_on_uncaught(self) -> None:
+        """Until this group is released, an uncaught exception ends the MPI job."""
+        self.rt.abort_on_uncaught()
+        self.aborts_on_uncaught = True
+
+    def mpi_finalized(self, cause: BaseException) -> None:
+        """MPI is being finalised: every later call raises ``cause`` instead of calling MPI."""
+        self.collectives.fail(cause)
+        self.channel.abort(cause)
 
     def allreduce(self, tensor: Any, op: Any, async_op: bool = False) -> Any:
         """A NumPy array with an op MPI computes goes straight to MPI; the rest as any group."""
@@ -446,6 +471,9 @@ class MpiProcessGroup(ChannelProcessGroup):
     def _release(self) -> None:
         super()._release()
         self.rt.watchdog.detach()
+        if self.aborts_on_uncaught:
+            self.aborts_on_uncaught = False
+            self.rt.keep_on_uncaught()
         comm, self.comm = self.comm, None
         MPI = self.rt.MPI
         if comm is not None and not MPI.Is_finalized():
@@ -468,22 +496,39 @@ def _check_job(rank: int, world_size: int, mpi_rank: int, mpi_size: int) -> None
         )
 
 
-def _one_host(rt: MpiRuntime, comm: Any) -> bool:
-    MPI = rt.MPI
-    node = rt.call("MPI_Comm_split_type", comm.Split_type, MPI.COMM_TYPE_SHARED)
+def _node(rt: MpiRuntime, comm: Any, deadline: Deadline) -> tuple[int, int]:
+    """This process's rank among the processes of its machine, and their number."""
+    node = rt.blocking("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)", deadline, comm.Split_type,
+                       rt.MPI.COMM_TYPE_SHARED)
     try:
-        return bool(node.Get_size() == comm.Get_size())
+        return node.Get_rank(), node.Get_size()
     finally:
         rt.call("MPI_Comm_free", node.Free)
 
 
-def _job_store(rt: MpiRuntime, comm: Any, timeout: float) -> Store:
+def _set_local_env(local_rank: int, local_size: int) -> None:
+    """``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them, unless already set."""
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_size))
+
+
+def _bcast_text(rt: MpiRuntime, comm: Any, text: str | None, deadline: Deadline, what: str) -> str:
+    """Rank 0's ``text`` (up to 512 bytes) on every rank of ``comm``, by ``MPI_Ibcast``."""
+    msg = np.zeros(512, np.uint8)
+    if text is not None:
+        data = text.encode()[: msg.size]
+        msg[: len(data)] = np.frombuffer(data, np.uint8)
+    req = rt.call("MPI_Ibcast", comm.Ibcast, [msg, rt.MPI.BYTE], 0)
+    wait_request(rt, req, deadline, lambda: None, lambda: f"MPI_Ibcast of {what}")
+    return bytes(msg).rstrip(b"\0").decode(errors="replace")
+
+
+def _job_store(rt: MpiRuntime, comm: Any, timeout: float, one_host: bool) -> Store:
     """A TCPStore served by MPI rank 0, its address broadcast over MPI."""
     from ..store.tcp_client import TCPStore
 
-    one_host = _one_host(rt, comm)
     store: Store | None = None
-    msg = np.zeros(512, np.uint8)
+    text = None
     if comm.Get_rank() == 0:
         host = os.environ.get("DISTCOMM_HOSTNAME") or os.environ.get("MASTER_ADDR")
         if not host:
@@ -493,11 +538,7 @@ def _job_store(rt: MpiRuntime, comm: Any, timeout: float) -> Store:
             text = f"ok {host} {store.port}"  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             text = f"error {type(e).__name__}: {e}"
-        data = text.encode()[: msg.size]
-        msg[: len(data)] = np.frombuffer(data, np.uint8)
-    req = rt.call("MPI_Ibcast", comm.Ibcast, [msg, rt.MPI.BYTE], 0)
-    wait_request(rt, req, Deadline(timeout), lambda: None, lambda: "MPI_Ibcast of the store address")
-    text = bytes(msg).rstrip(b"\0").decode(errors="replace")
+    text = _bcast_text(rt, comm, text, Deadline(timeout), "the store address")
     kind, _, rest = text.partition(" ")
     if kind != "ok":
         raise DistBackendError(f"backend 'mpi': rank 0 could not start the job's store: {rest}")
@@ -521,26 +562,35 @@ class MpiBackend(BackendFactory):
 
     def bootstrap(self, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
         rt = runtime()
-        comm = rt.world()
+        deadline = Deadline(timeout)
+        comm = rt.world(deadline)
         mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
         _check_job(rank, world_size, mpi_rank, mpi_size)
-        return _job_store(rt, comm, timeout), mpi_rank, mpi_size
+        local_rank, local_size = _node(rt, comm, deadline)
+        _set_local_env(local_rank, local_size)
+        return _job_store(rt, comm, timeout, local_size == mpi_size), mpi_rank, mpi_size
 
     def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None,
               **_: Any) -> MpiProcessGroup:
         rt = runtime()
-        parent = rt.world()
+        deadline = Deadline(timeout)
+        parent = rt.world(deadline)
         if size != parent.Get_size():
             raise DistInputError(
                 f"world_size={size} but the MPI job has {parent.Get_size()} processes; "
                 f"launch with mpirun -n {size}"
             )
-        comm = rt.call("MPI_Comm_split", parent.Split, 0, rank)  # renumbered as distcomm's ranks
+        comm = rt.blocking("MPI_Comm_split (every process of the MPI job must call init_process_group)",
+                           deadline, parent.Split, 0, rank)  # renumbered as distcomm's ranks
         try:
-            return MpiProcessGroup(rt, comm, list(range(size)), "default", timeout)
+            run_id = _bcast_text(rt, comm, new_run_id() if rank == 0 else None, deadline, "the run id")
+            pg = MpiProcessGroup(rt, comm, list(range(size)), "default", timeout)
         except BaseException:
             rt.call("MPI_Comm_free", comm.Free)
             raise
+        pg.run_id = run_id
+        pg.abort_on_uncaught()
+        return pg
 
     def subgroup(self, world_pg: Any, store: Store, ranks: list[int], group_rank: int, name: str,
                  timeout: float) -> MpiProcessGroup:
@@ -550,6 +600,7 @@ class MpiBackend(BackendFactory):
                 "(init_process_group('mpi'))"
             )
         rt = world_pg.rt
+        rt.check_alive()
         parent = world_pg.comm
         with mpi_calls(rt, f"creating MPI group {name!r}"):
             with rt.lock:
@@ -557,7 +608,8 @@ class MpiBackend(BackendFactory):
                 members = world_group.Incl(list(ranks))
                 world_group.Free()
         try:
-            comm = rt.call("MPI_Comm_create_group", parent.Create_group, members, _tag_of(name))
+            what = f"MPI_Comm_create_group of group {name!r} (every member must call new_group)"
+            comm = rt.blocking(what, Deadline(timeout), parent.Create_group, members, _tag_of(name))
         finally:
             rt.call("MPI_Group_free", members.Free)
         try:
@@ -573,6 +625,7 @@ class MpiBackend(BackendFactory):
         survive a process that died: this serves ranks left out alive)."""
         pg = self.subgroup(world_pg, store, survivors, rank, "default", timeout)
         pg.ranks = list(range(len(survivors)))
+        pg.abort_on_uncaught()
         return pg
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from . import flight_recorder, levels, log
 
-__all__ = ["before_init", "world_started", "world_shrunk", "group_created", "group_destroyed", "world_ended"]
+__all__ = ["before_init", "new_run_id", "world_started", "world_shrunk", "group_created", "group_destroyed",
+           "world_ended"]
 
 _log = log.get_logger("distcomm.group")
 _RUN_ID_KEY = "debug/run_id"
@@ -25,14 +26,21 @@ def before_init() -> None:
     levels.refresh_from_env()
 
 
+def new_run_id() -> str:
+    """A run id for this job's flight recorder dumps, made by rank 0."""
+    return f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+
+
 def world_started(store: Any, pg: Any, rank: int, size: int, timeout: float, seconds: float) -> None:
-    """The default group exists: agree on a run id, install SIGUSR1, follow the group."""
+    """The default group exists: agree on a run id (the environment's, the one the group's
+    backend agreed on as ``pg.run_id``, or rank 0's through the store), install SIGUSR1,
+    follow the group."""
     log.set_rank(rank)
-    run_id = flight_recorder.run_id_from_env()
+    run_id = flight_recorder.run_id_from_env() or getattr(pg, "run_id", None)
     if run_id is None:
         try:
             if rank == 0:
-                store.set(_RUN_ID_KEY, f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
+                store.set(_RUN_ID_KEY, new_run_id())
             store.wait([_RUN_ID_KEY], min(timeout, 60.0))
             run_id = store.get(_RUN_ID_KEY).decode()
         except Exception as e:  # noqa: BLE001 - debugging aids never stop a job

@@ -6,7 +6,10 @@ with mpi4py's settings (``mpi4py.rc``): by default with
 ``MPI_THREAD_MULTIPLE``, finalised by mpi4py at interpreter exit, after
 distcomm's own teardown.  If MPI gives less than ``MPI_THREAD_MULTIPLE``,
 every MPI call distcomm makes is serialised by one lock (nothing distcomm
-calls blocks inside MPI, so the lock is never held while waiting).
+calls blocks inside MPI, so the lock is never held while waiting).  Once MPI
+is finalised (also by the program's own ``MPI.Finalize()``), every group and
+``init_process_group("mpi")`` raise :class:`DistBackendError` instead of
+calling into MPI, which would abort the job.
 
 Every wait is a loop over ``MPI_Test`` (:func:`wait_request`): it spins
 briefly, then yields the CPU between tests, checks the caller's
@@ -31,7 +34,9 @@ import hashlib
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
 from typing import Any
 
 from ..deadline import Deadline
@@ -53,6 +58,9 @@ __all__ = [
 
 INSTALL_HINT = "pip install 'distcomm[mpi]' (mpi4py and Open MPI from the package index)"
 LAUNCH_HINT = "run it under an MPI launcher: mpirun -n N python script.py (or mpiexec, or srun)"
+_IDUP = "MPI_Comm_idup of MPI_COMM_WORLD (every process of the MPI job must call init_process_group)"
+FINALIZED = ("backend 'mpi': MPI was finalised in this process (MPI.Finalize() was called) and cannot be "
+             "used again; call MPI.Finalize() only after destroy_process_group(), or leave it to mpi4py at exit")
 
 #: Variables an MPI launcher (Open MPI, MPICH/Hydra, Intel MPI, MVAPICH, PMIx, Slurm's PMI, Cray)
 #: puts in the environment of the processes it starts.
@@ -102,17 +110,99 @@ class MpiRuntime:
         self._mu = threading.Lock()
         #: Ends the job when a blocking collective outlives its deadline (groups attach to it).
         self.watchdog = BlockingWatchdog(abort_mpi_job(MPI))
+        #: Set once MPI_Finalize starts; the groups then raise instead of calling MPI.
+        self.finalized = False
+        self._groups: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._hook_users = 0
+        self._previous_hook: Any = sys.__excepthook__
+        self._in_hook = False
+        self._hook = self._abort_on_uncaught  # one bound method: sys.excepthook is compared to it
+        with self.lock:  # MPI_Finalize deletes MPI_COMM_SELF's attributes first: that tells us
+            key = MPI.Comm.Create_keyval(delete_fn=self._finalizing)
+            MPI.COMM_SELF.Set_attr(key, True)
 
-    def world(self) -> Any:
-        """This process's private duplicate of ``MPI_COMM_WORLD`` (made once, collectively)."""
+    def world(self, deadline: Deadline) -> Any:
+        """This process's private duplicate of ``MPI_COMM_WORLD`` (made once, by every process
+        of the job: ``MPI_Comm_idup``, waited for until ``deadline``)."""
         with self._mu:
             if self._world is None:
+                comm, req = self.call("MPI_Comm_idup", self.MPI.COMM_WORLD.Idup)
+                try:
+                    wait_request(self, req, deadline, lambda: None, lambda: _IDUP)
+                except BaseException:
+                    self.orphans.append(comm)  # MPI may still complete it
+                    self.orphan(req)
+                    raise
                 with self.lock:
-                    comm = self.MPI.COMM_WORLD.Dup()
                     comm.Set_errhandler(self.MPI.ERRORS_RETURN)
                     comm.Set_name("distcomm")
                 self._world = comm
             return self._world
+
+    def blocking(self, what: str, deadline: Deadline, fn: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`call` of an MPI call that waits for its peers and has no non-blocking form
+        (making a communicator): past ``deadline`` the watchdog ends the job, naming ``what``."""
+        dog = self.watchdog
+        dog.attach()
+        key = dog.enter(deadline.at, deadline.seconds, what, None, collective=False)
+        try:
+            return self.call(what, fn, *args)
+        finally:
+            dog.leave(key)
+            dog.detach()
+
+    def check_alive(self) -> None:
+        """Raise :class:`DistBackendError` if MPI was finalised (any MPI call would abort the job)."""
+        if self.finalized or self.MPI.Is_finalized():
+            raise DistBackendError(FINALIZED)
+
+    def follow(self, group: Any) -> None:
+        """``group.mpi_finalized(cause)`` will be called when MPI is finalised (weakly held)."""
+        self._groups.add(group)
+
+    def _finalizing(self, comm: Any, key: int, value: Any) -> None:
+        self.finalized = True
+        cause = DistBackendError(FINALIZED)
+        for group in list(self._groups):
+            try:
+                group.mpi_finalized(cause)
+            except Exception:  # noqa: BLE001 - never fail MPI_Finalize
+                pass
+
+    # -- uncaught exceptions ---------------------------------------------------------------------
+    def abort_on_uncaught(self) -> None:
+        """Until as many :meth:`keep_on_uncaught`, an exception uncaught in the main thread ends
+        the MPI job (traceback first, then ``MPI_Abort``), as under ``python -m mpi4py``:
+        otherwise the other processes would wait for this one until their timeout."""
+        with self._mu:
+            self._hook_users += 1
+            if self._hook_users == 1 and sys.excepthook != self._hook:
+                self._previous_hook = sys.excepthook
+                sys.excepthook = self._hook
+
+    def keep_on_uncaught(self) -> None:
+        """Undo one :meth:`abort_on_uncaught`; the last one puts the previous hook back."""
+        with self._mu:
+            self._hook_users -= 1
+            if self._hook_users == 0 and sys.excepthook == self._hook:  # unless the program set its own
+                sys.excepthook = self._previous_hook
+
+    def _abort_on_uncaught(self, kind: type[BaseException], value: BaseException,
+                           tb: TracebackType | None) -> None:
+        if self._in_hook:  # a hook the program chained to this one, and this one to it
+            return
+        self._in_hook = True
+        try:
+            self._previous_hook(kind, value, tb)
+        finally:
+            self._in_hook = False
+        if self._hook_users == 0 or self.finalized or self.MPI.Is_finalized():
+            return  # no group any more (a hook of the program's still calls this one), or no MPI
+        print(f"distcomm: uncaught {kind.__name__}: ending the MPI job (MPI_Abort) so that the other "
+              f"processes do not wait for this one", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        self.MPI.COMM_WORLD.Abort(1)
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` under the lock, MPI errors raised as :class:`DistBackendError`."""
@@ -136,6 +226,7 @@ def runtime() -> MpiRuntime:
     global _runtime
     with _runtime_lock:
         if _runtime is not None:
+            _runtime.check_alive()
             return _runtime
         try:
             import mpi4py
@@ -156,8 +247,7 @@ def runtime() -> MpiRuntime:
         except Exception as e:  # noqa: BLE001 - MPI_Init failures come in many types
             raise DistBackendError(f"backend 'mpi': MPI could not be initialised: {e}") from None
         if MPI.Is_finalized():
-            raise DistBackendError("backend 'mpi': MPI was already finalised in this process; "
-                                   "it cannot be initialised again")
+            raise DistBackendError(FINALIZED)
         if not MPI.Is_initialized():  # mpi4py.rc.initialize = False: distcomm initialises and finalises
             level = getattr(MPI, f"THREAD_{str(mpi4py.rc.thread_level).upper()}", MPI.THREAD_MULTIPLE)
             try:

@@ -45,7 +45,7 @@ class BlockingWatchdog:
     def __init__(self, abort: Callable[[str], Any], interval: float = INTERVAL) -> None:
         self._abort = abort
         self._interval = interval
-        self._calls: dict[int, tuple[float, float, str, int | None]] = {}  # key -> enter's arguments
+        self._calls: dict[int, tuple[float, float, str, int | None, bool]] = {}  # key -> enter's arguments
         self._keys = itertools.count()
         self._mu = threading.Lock()
         self._users = 0
@@ -70,11 +70,12 @@ class BlockingWatchdog:
             thread.join()
 
     # -- the calls ---------------------------------------------------------------------------
-    def enter(self, at: float, seconds: float, what: str, nbytes: int | None) -> int:
+    def enter(self, at: float, seconds: float, what: str, nbytes: int | None, collective: bool = True) -> int:
         """Blocking call ``what`` (an MPI function) of ``nbytes`` per rank starts and must end by
-        ``at`` (``time.monotonic()``), ``seconds`` after it began; returns its key."""
+        ``at`` (``time.monotonic()``), ``seconds`` after it began; returns its key.  Not a
+        ``collective`` (one that makes a communicator): it has no non-blocking form to suggest."""
         key = next(self._keys)
-        self._calls[key] = (at, seconds, what, nbytes)
+        self._calls[key] = (at, seconds, what, nbytes, collective)
         if self._thread is None:
             self._start()
         return key
@@ -95,16 +96,17 @@ class BlockingWatchdog:
     def _run(self, stop: threading.Event) -> None:
         while not stop.wait(self._interval):
             now = time.monotonic()
-            for at, seconds, what, nbytes in list(self._calls.values()):
+            for at, seconds, what, nbytes, collective in list(self._calls.values()):
                 if now >= at:
-                    self._expired(what if nbytes is None else f"{what} of {nbytes} bytes per rank", seconds)
+                    self._expired(what if nbytes is None else f"{what} of {nbytes} bytes per rank", seconds,
+                                  collective)
                     return
 
-    def _expired(self, call: str, seconds: float) -> None:
+    def _expired(self, call: str, seconds: float, collective: bool) -> None:
         message = (
             f"{call} did not complete within {seconds:g} s; MPI cannot interrupt its blocking "
-            f"collectives, so distcomm aborts the MPI job (with DISTCOMM_MPI_COLLECTIVES=nonblocking "
-            f"this is a DistTimeoutError instead)"
+            "calls, so distcomm aborts the MPI job"
+            + (" (with DISTCOMM_MPI_COLLECTIVES=nonblocking this is a DistTimeoutError instead)" if collective else "")
         )
         _log.error("%s", message)
         try:
