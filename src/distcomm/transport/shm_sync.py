@@ -151,7 +151,9 @@ class Control:
         self.size = size
         raw = np.frombuffer(mem, np.uint8, control_bytes(size))
         self._header = raw[:LINE].view(np.int64)
-        self._aborted = memoryview(self._header)  # word 0: 1 + the aborting rank (0: none)
+        # header words: 1 + the rank that aborted the group (0: none), 1 + the culprit it named,
+        # the phase it failed to finish (0: none; see post)
+        self._aborted = memoryview(self._header)
         asleep_end = LINE + ((size * 4 + LINE - 1) // LINE) * LINE
         self._asleep = raw[LINE : LINE + size]  # one byte a rank, read 8 at a time by posters
         # memoryviews: indexing one gives a Python int, several times cheaper than NumPy's scalars
@@ -174,6 +176,7 @@ class Control:
         #: ``reason(r)``: what group rank r said when it aborted the group ("" if nothing), or None.
         self.reason: Callable[[int], str] | None = None
         self._seen_all = 0  # every counter was >= this when last looked at
+        self._failed_at = 0  # the phase a wait of this rank failed in (0: none)
         #: Seconds of spinning, then of yielding, before a wait sleeps.
         self.spin_s, self.yield_s = wait_budget(local_ranks or size)
 
@@ -197,15 +200,25 @@ class Control:
 
     # -- posting ------------------------------------------------------------------------------
     def post(self, value: int) -> None:
-        """Publish this rank's counter ``value`` and wake sleepers."""
+        """Publish this rank's counter ``value`` and wake sleepers; raise if a rank aborted
+        the group after failing to finish this phase or an earlier one: a rank that comes
+        late to a call the others gave up on fails like them, instead of finishing it alone
+        with what they had posted.  (An abort by a rank that finished its calls, e.g. one
+        shutting down, fails only the waits that need it.)"""
         self.counters[self.rank] = value
         if any(self._asleep_words):
             futex_wake(self._addr[self.rank])
+        if self._aborted[0]:
+            failed = int(self._header[2])
+            if failed and value >= failed:
+                self._check_aborted()
 
     def abort(self, rank: int, culprit: int | None = None) -> None:
         """Tell every peer the group is aborted by ``rank`` (because of ``culprit``,
-        a global rank, if known); wake everyone."""
+        a global rank, if known), and the phase this rank failed to finish, if any; wake
+        everyone."""
         if int(self._header[0]) == 0:
+            self._header[2] = self._failed_at
             self._header[1] = 0 if culprit is None else culprit + 1
             self._header[0] = rank + 1
         self._wake_all()
@@ -230,8 +243,7 @@ class Control:
 
     # -- waiting ------------------------------------------------------------------------------
     def wait_all(self, target: int, deadline: Deadline) -> None:
-        """Wait until every rank's counter is at least ``target``; raise if the group was
-        aborted (a rank that comes late to a call the others gave up on fails like them)."""
+        """Wait until every rank's counter is at least ``target``."""
         if self._seen_all >= target:
             return
         counters = self.counters
@@ -239,16 +251,12 @@ class Control:
             for r in range(self.size):
                 if counters[r] < target:
                     self._wait(r, target, deadline)
-        if self._aborted[0]:
-            self._check_aborted()
         self._seen_all = target
 
     def wait(self, peer: int, target: int, deadline: Deadline) -> None:
-        """Wait until ``peer``'s counter is at least ``target``; raise if the group was aborted."""
+        """Wait until ``peer``'s counter is at least ``target``."""
         if self.counters[peer] < target:
             self._wait(peer, target, deadline)
-        if self._aborted[0]:
-            self._check_aborted()
 
     def _wait(self, peer: int, target: int, deadline: Deadline) -> None:
         counters = self.counters
@@ -287,6 +295,9 @@ class Control:
                         return
                     raise
                 futex_wait(addr, ctypes.c_int32(seen & 0xFFFFFFFF).value, min(NAP, deadline.remaining()))
+        except BaseException:
+            self._failed_at = target  # (an abort of this rank tells peers this phase failed)
+            raise
         finally:
             asleep[me] = 0
 
