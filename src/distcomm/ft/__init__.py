@@ -27,6 +27,7 @@ _WHERE = {
     "ProcessGroupWrapper": ".wrappers",
     "ReconfigurableProcessGroup": ".reconfigurable",
     "ReplicaGroupError": ".replica_group",
+    "StateDictError": ".manager",
     "SubprocessProcessGroup": ".subprocess_group",
     "create_store_client": ".store",
 }
@@ -57,6 +58,7 @@ __all__ = [
     "ProcessGroupWrapper",
     "ReconfigurableProcessGroup",
     "ReplicaGroupError",
+    "StateDictError",
     "SubprocessProcessGroup",
     "create_store_client",
 ]

@@ -40,6 +40,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import DistInputError
+from ._net import join_host_port
+
 __all__ = ["Lighthouse", "LighthouseServer", "add_arguments", "run"]
 
 log = logging.getLogger("distcomm.ft.lighthouse")
@@ -64,6 +67,7 @@ class Replica:
     commit_id: str = ""
     address: dict = field(default_factory=dict)
     alive: bool = True
+    left: bool = False  # said goodbye (not a failure)
     registered_wall: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
     last_heartbeat_wall: float = field(default_factory=time.time)
@@ -82,6 +86,7 @@ class Replica:
             "world_size": self.world_size,
             "step": self.step,
             "alive": self.alive,
+            "left": self.left,
             "waiting_for_quorum": self.joined_at is not None,
             "last_heartbeat_age": round(now - self.last_heartbeat, 3),
             "last_heartbeat": self.last_heartbeat_wall,
@@ -94,8 +99,7 @@ class Lighthouse:
 
     def __init__(self, min_replicas: int = 1, join_timeout: float = 1.0,
                  heartbeat_timeout: float = 2.0) -> None:
-        if min_replicas < 1:
-            raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        _check_options(min_replicas, join_timeout, heartbeat_timeout)
         self.min_replicas = min_replicas
         self.join_timeout = join_timeout
         self.heartbeat_timeout = heartbeat_timeout
@@ -175,9 +179,12 @@ class Lighthouse:
             self.round_started = r.joined_at
         return self.evaluate()
 
-    def leave(self, r: Replica) -> list[tuple[Replica, dict]]:
+    def leave(self, r: Replica, msg: dict | None = None) -> list[tuple[Replica, dict]]:
+        if msg and "step" in msg:
+            r.step = int(msg["step"])
         if r.alive:
             r.alive = False
+            r.left = True
             r.joined_at = None
             self.event("leave", r.replica_id, f"replica {r.replica_id} left")
         return self.evaluate()
@@ -314,8 +321,10 @@ class LighthouseServer:
     """The lighthouse's asyncio server; :meth:`serve` runs until :meth:`stop`."""
 
     def __init__(self, bind: str = "0.0.0.0:29510", **options: Any) -> None:
-        host, _, port = bind.rpartition(":")
-        self.host = host.strip("[]") or "0.0.0.0"
+        host, _, port = bind.rpartition(":") if isinstance(bind, str) else ("", "", "")
+        if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+            raise DistInputError(f"bind {bind!r}: expected HOST:PORT, e.g. 0.0.0.0:29510 (port 0-65535)")
+        self.host = host.strip("[]")
         self.port = int(port)
         self.lighthouse = Lighthouse(**options)
         self._server: asyncio.AbstractServer | None = None
@@ -324,7 +333,7 @@ class LighthouseServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return join_host_port(self.host, self.port)
 
     async def start(self) -> None:
         self._stopped = asyncio.Event()
@@ -384,6 +393,8 @@ class LighthouseServer:
                 await self._http(first, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
+        except asyncio.CancelledError:
+            pass  # the server is closing (a cancelled task would make asyncio print a traceback)
         finally:
             writer.close()
 
@@ -418,7 +429,7 @@ class LighthouseServer:
                 elif op == "quorum":
                     self._send(lh.request_quorum(r, msg))
                 elif op == "leave":
-                    self._send(lh.leave(r))
+                    self._send(lh.leave(r, msg))
                     return
                 await writer.drain()
         except (ConnectionError, ValueError) as e:
@@ -465,7 +476,7 @@ STATUS_PAGE = """<!doctype html>
 <style>
 body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-th{background:#f3f3f3}.dead{color:#b00}.alive{color:#070}.failure{color:#b00}.recovery{color:#070}
+th{background:#f3f3f3}.dead{color:#b00}.left{color:#666}.alive{color:#070}.failure{color:#b00}.recovery{color:#070}
 #meta span{margin-right:1.5em}
 </style></head><body>
 <h1>distcomm lighthouse</h1>
@@ -492,7 +503,8 @@ async function refresh(){
       ` &mdash; quorum ${q.quorum_id}, issued ${t(q.created)}`:'none yet';
     document.querySelector('#replicas tbody').innerHTML=s.replicas.map(r=>
       `<tr data-replica="${esc(r.replica_id)}"><td>${esc(r.replica_id)}</td>`+
-      `<td class="${r.alive?'alive':'dead'}">${r.alive?(r.waiting_for_quorum?'waiting':'alive'):'dead'}</td>`+
+      `<td class="${r.alive?'alive':r.left?'left':'dead'}">`+
+      `${r.alive?(r.waiting_for_quorum?'waiting':'alive'):r.left?'left':'dead'}</td>`+
       `<td class="step">${r.step}</td><td>${r.last_heartbeat_age.toFixed(1)} s ago</td>`+
       `<td>${esc(r.host)}</td><td>${r.pid}</td><td>${r.quorums}</td></tr>`).join('');
     document.querySelector('#history tbody').innerHTML=s.history.filter(e=>e.kind!=='reconnect').map(e=>
@@ -505,6 +517,19 @@ refresh();setInterval(refresh,500);
 
 
 # -- command line ------------------------------------------------------------------------------
+def _check_options(min_replicas: Any, join_timeout: Any, heartbeat_timeout: Any) -> None:
+    """The lighthouse's settings, checked as the command line checks them."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+        raise DistInputError(f"min_replicas must be an int >= 1, got {min_replicas!r}")
+    if not number(join_timeout) or join_timeout < 0:
+        raise DistInputError(f"join_timeout must be a number of seconds >= 0, got {join_timeout!r}")
+    if not number(heartbeat_timeout) or heartbeat_timeout <= 0:
+        raise DistInputError(f"heartbeat_timeout must be a number of seconds > 0, got {heartbeat_timeout!r}")
+
+
 def _bind_address(text: str) -> str:
     """An argparse type: ``HOST:PORT`` (``[v6]:PORT`` too) with a port in [0, 65535]."""
     host, colon, port = text.rpartition(":")

@@ -27,6 +27,7 @@ from ..errors import (
     DistNetworkError,
     DistTimeoutError,
 )
+from ._net import parse_host_port
 
 __all__ = ["LighthouseClient", "LighthouseRefusedError"]
 
@@ -41,15 +42,16 @@ class LighthouseClient:
     def __init__(self, addr: str, replica_id: str, *, connect_timeout: float = 10.0,
                  heartbeat_interval: float = 0.4, info: dict | None = None,
                  on_member_failed: Any = None) -> None:
-        host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise DistInputError(f"lighthouse address {addr!r} is not of the form 'host:port'")
+        self._target = parse_host_port(addr, "lighthouse address")
+        if isinstance(heartbeat_interval, bool) or not isinstance(heartbeat_interval, (int, float)) \
+                or not 0 < heartbeat_interval < float("inf"):
+            raise DistInputError(
+                f"heartbeat_interval must be a positive number of seconds, got {heartbeat_interval!r}")
         self.addr = addr
-        self._target = (host.strip("[]"), int(port))
         self.replica_id = replica_id
         self.instance = os.urandom(8).hex()
         self.connect_timeout = connect_timeout
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_interval = float(heartbeat_interval)
         self.info = dict(info or {})
         self.on_member_failed = on_member_failed
         self.step = 0
@@ -111,6 +113,7 @@ class LighthouseClient:
         if reply.get("op") != "registered":
             sock.close()
             raise DistNetworkError(f"the lighthouse at {self.addr} answered {reply!r:.100}", addr=self.addr)
+        self._check_heartbeat(sock, reply.get("heartbeat_timeout"))
         sock.settimeout(None)
         if self.epoch is not None and reply["epoch"] != self.epoch:
             log.warning("replica %s: the lighthouse at %s restarted (epoch %s -> %s)",
@@ -123,6 +126,24 @@ class LighthouseClient:
             pending = self._pending
         if pending is not None:  # repeat the request the old lighthouse never answered
             self._write(pending)
+
+    def _check_heartbeat(self, sock: socket.socket, limit: Any) -> None:
+        """Refuse a heartbeat interval the lighthouse's timeout cannot tolerate (warn if close)."""
+        if not isinstance(limit, (int, float)) or self.heartbeat_interval <= limit / 2:
+            return
+        text = (f"heartbeat_interval={self.heartbeat_interval:g} s is {{}} the heartbeat timeout "
+                f"({limit:g} s) of the lighthouse at {self.addr}")
+        if self.heartbeat_interval < limit:
+            log.warning("replica %s: %s: a late heartbeat may count it as dead", self.replica_id,
+                        text.format("more than half"))
+            return
+        try:
+            sock.sendall(b'{"op": "leave"}\n')  # a departure, not a failure
+        except OSError:
+            pass
+        sock.close()
+        raise LighthouseRefusedError(f"{text.format('not below')}: it would count replica "
+                                     f"{self.replica_id!r} as dead between heartbeats", addr=self.addr)
 
     def _write(self, msg: dict) -> bool:
         data = json.dumps(msg).encode() + b"\n"
@@ -218,10 +239,15 @@ class LighthouseClient:
         deadline = Deadline(timeout)
         with self._cv:
             while self._answer is None:
-                if self._fatal is not None and isinstance(self._fatal, LighthouseRefusedError):
+                if self._closed:
+                    self._pending = None
+                    raise DistNetworkError(f"replica {self.replica_id}: the connection to the lighthouse was "
+                                           "closed (shutdown) while waiting for a quorum", addr=self.addr)
+                if self._fatal is not None:  # unreachable for connect_timeout, or refused
+                    self._pending = None
                     raise self._fatal
                 left = deadline.remaining()
-                if left <= 0 or self._closed:
+                if left <= 0:
                     self._pending = None
                     why = self._waiting_reason or (str(self._fatal) if self._fatal else "no answer")
                     raise DistTimeoutError(
@@ -246,7 +272,7 @@ class LighthouseClient:
             self._closed = True
             self._cv.notify_all()
         if leave:
-            self._write({"op": "leave"})
+            self._write({"op": "leave", "step": self.step})
         with self._wlock:
             sock = self._sock
         if sock is not None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections import Counter
@@ -46,24 +47,31 @@ import numpy as np
 
 from ..arrays import as_array
 from ..deadline import Timeout, to_seconds
-from ..errors import DistBackendError, DistError, DistInputError, DistNetworkError
+from ..errors import DistBackendError, DistError, DistInputError, DistTypeError
+from ..group import ProcessGroup
 from ..reduce_op import ReduceOp
 from ..store import Store, TCPStore
 from ..store.auth import ENV_VAR as AUTH_ENV_VAR
 from ..store.auth import DistAuthenticationError
 from ..work import Work, completed
+from ._net import join_host_port, parse_host_port
 from .lighthouse_client import LighthouseClient, info_of_this_process
 from .reconfigurable import ReconfigurableProcessGroup
 from .recovery import ChecksumError, RecoveryServer, fetch_state
 from .replica_group import ReplicaGroupClient, ReplicaGroupServer, server_key
 
-__all__ = ["Manager"]
+__all__ = ["Manager", "StateDictError"]
 
 log = logging.getLogger("distcomm.ft")
 
 
 class _QuorumError(DistError):
     """Raised at the end of the step: the quorum could not be had at all."""
+
+
+class StateDictError(DistError):
+    """A registered ``save_fn`` or ``load_fn`` raised (its exception is the ``__cause__``),
+    or there is no registered state to recover; raised by ``should_commit``."""
 
 
 class Manager:
@@ -83,6 +91,14 @@ class Manager:
     ``i`` averages with rank ``i`` of the other replicas and recovers from
     rank ``i`` of a healthy one.  If a rank of the group dies, the others
     raise :class:`~.replica_group.ReplicaGroupError`: restart the group as a whole.
+
+    ``pg`` is the group the quorum's members form: a
+    :class:`~.reconfigurable.ReconfigurableProcessGroup` (the default), a
+    :class:`~.subprocess_group.SubprocessProcessGroup`, or a
+    :class:`~.wrappers.ProcessGroupWrapper` or
+    :class:`~.wrappers.ErrorSwallowingProcessGroupWrapper` around one of those.
+    ``max_retries`` (None: no limit) makes ``should_commit`` raise after that
+    many consecutive discarded steps.
     """
 
     def __init__(
@@ -98,14 +114,17 @@ class Manager:
         hostname: str | None = None,
         init_sync: bool = True,
         allow_pickle: bool = False,
-        pg: ReconfigurableProcessGroup | None = None,
+        pg: ProcessGroup | None = None,
         rank: int = 0,
         world_size: int = 1,
         store: Store | str | None = None,
+        max_retries: int | None = None,
     ) -> None:
         addr = lighthouse_addr or os.environ.get("DISTCOMM_LIGHTHOUSE")
         if not addr and rank == 0:
             raise DistInputError("give lighthouse_addr ('host:port') or set DISTCOMM_LIGHTHOUSE")
+        if addr or rank == 0:
+            parse_host_port(addr, "lighthouse_addr")
         if not isinstance(replica_id, str) or not replica_id:
             raise DistInputError(f"replica_id must be a non-empty str, got {replica_id!r}")
         for name, value in (("rank", rank), ("world_size", world_size)):
@@ -113,6 +132,14 @@ class Manager:
                 raise DistInputError(f"{name} must be an int, got {value!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise DistInputError(f"rank {rank} is not in [0, world_size={world_size})")
+        if max_retries is not None and (isinstance(max_retries, bool) or not isinstance(max_retries, int)
+                                        or max_retries < 0):
+            raise DistInputError(f"max_retries must be None or an int >= 0, got {max_retries!r}")
+        if pg is not None:
+            _check_group(pg)
+        if hostname is not None:
+            _check_hostname(hostname)
+        self.max_retries = max_retries
         self.replica_id = replica_id
         self.group_rank, self.group_world_size = rank, world_size
         self.timeout = to_seconds(timeout)
@@ -122,12 +149,18 @@ class Manager:
         self.pg = pg if pg is not None else ReconfigurableProcessGroup(backend, self.timeout)
         self._fns: dict[str, tuple[Callable[[Any], None] | None, Callable[[], Any]]] = {}
         self._staging: dict[str, dict[int, np.ndarray]] = {}
+        self._warned: set[str] = set()  # keys whose non-array state load_fn=None skipped (said once)
         self._cond = threading.Condition()
         self._step = 0
         self._commit_id = ""
         self._phase = "idle"
         self._errored: BaseException | None = None
         self._fatal: BaseException | None = None
+        self._user_error: StateDictError | None = None  # a save_fn/load_fn raised: should_commit raises it
+        self._failures = 0  # consecutive discarded steps
+        self._serving = 0  # state transfers in flight: a commit waits for them
+        self._configured = False  # the group is built for this step's quorum
+        self._in_step = False  # between start_quorum and should_commit
         self._quorum_key: tuple[str, int] | None = None
         self._failed_quorums: set[tuple[str, int]] = set()  # quorums a member of which died
         self._quorum: dict | None = None
@@ -149,6 +182,10 @@ class Manager:
         connect = to_seconds(connect_timeout)
         if world_size > 1 and store is None:
             store = _env_store_addr(world_size)
+        if isinstance(store, str):
+            parse_host_port(store, "store")
+        elif store is not None and not isinstance(store, Store):
+            raise DistInputError(f"store must be a distcomm Store or 'host:port', got {store!r}")
         try:
             lighthouse = None
             if rank == 0:
@@ -167,8 +204,9 @@ class Manager:
             self._address: dict[str, str] = {}
             if rank == 0:
                 self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-                self._address["store"] = f"{host}:{self._store.port}"
-            self._recovery = RecoveryServer(host, self._snapshot, allow_pickle=allow_pickle)
+                self._address["store"] = join_host_port(host, self._store.port)
+            self._recovery = RecoveryServer(host, self._snapshot, allow_pickle=allow_pickle,
+                                            done=self._transfer_done)
             self._address["recovery"] = self._recovery.address
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="distcomm-ft-quorum")
         except BaseException:
@@ -179,10 +217,8 @@ class Manager:
                             store: Store | str | None, connect: float) -> None:
         """Rank 0 serves the group (and publishes where); every rank connects to it."""
         if store is None or isinstance(store, str):
-            h, _, port = (store or "").rpartition(":")
-            if not h or not port.isdigit():
-                raise DistInputError(f"store {store!r} is not of the form 'host:port'")
-            self._group_store = TCPStore(h.strip("[]"), int(port), is_master=False, timeout=connect)
+            h, port = parse_host_port(store, "store")
+            self._group_store = TCPStore(h, port, is_master=False, timeout=connect)
             store = self._group_store
         key = server_key(self.replica_id)
         if lighthouse is not None:
@@ -227,6 +263,7 @@ class Manager:
         if self._fatal is not None:
             raise self._fatal
         self._errored = None
+        self._in_step = True
         with self._cond:
             self._phase = "quorum"
             self._cond.notify_all()
@@ -269,27 +306,52 @@ class Manager:
         A healing replica contributes zeros.  Never raises for a failed peer:
         the error is reported and ``tensor`` left as it is.
         """
+        self._check_in_step("allreduce")
         ref = as_array(tensor, writable=True, what="tensor")
         op = ReduceOp.AVG if op is None else op
         if op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise DistInputError(f"Manager.allreduce averages or sums; got op={op}")
+        arr = ref.array
+        if arr.dtype.kind not in "iufc" and not (arr.dtype.kind == "b" and op == ReduceOp.SUM):
+            raise DistInputError(f"Manager.allreduce cannot {'average' if op == ReduceOp.AVG else 'sum'} "
+                                 f"an array of dtype {arr.dtype}")
         self._wait_future()
-        if self._errored is None:
-            try:
-                arr = ref.array
+        if not self._group_usable():
+            self.report_error(self.pg.errored() or DistBackendError("this step has no process group"))
+            return completed("all_reduce", "ft", tensor)
+        try:
+            if self._errored is not None:  # the step is lost, but the peers' calls must be matched
+                self.pg.allreduce(np.zeros_like(arr), ReduceOp.SUM)
+            else:
                 if self._healing:
                     arr[...] = 0
                 self.pg.allreduce(tensor, ReduceOp.SUM)
-                if op == ReduceOp.AVG:
-                    if arr.dtype.kind in "fc":
-                        np.divide(arr, self._participants, out=arr)
-                    else:
-                        np.floor_divide(arr, self._participants, out=arr)
-            except DistInputError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                self.report_error(e)
+            self._raise_swallowed()
+            if op == ReduceOp.AVG and self._errored is None:
+                divide = np.divide if arr.dtype.kind in "fc" else np.floor_divide
+                divide(arr, self._participants, out=arr)
+        except (DistInputError, DistTypeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            self.report_error(e)
         return completed("all_reduce", "ft", tensor)
+
+    def _group_usable(self) -> bool:
+        """Whether this step's group was built and has not failed."""
+        return self._configured and self.pg.errored() is None
+
+    def _raise_swallowed(self) -> None:
+        """A group that swallows its errors (an ErrorSwallowingProcessGroupWrapper) keeps them."""
+        err = self.pg.errored()
+        if err is not None:
+            raise err
+
+    def _check_in_step(self, call: str) -> None:
+        if self._executor is None:
+            raise DistBackendError(f"{call}() after the manager was shut down")
+        if not self._in_step:
+            raise DistInputError(f"{call}() outside a step: call start_quorum() first (once per step, "
+                                 "then should_commit() once)")
 
     def should_commit(self, timeout: Timeout | None = None) -> bool:
         """Whether every member of the quorum finished the step without error.
@@ -297,18 +359,16 @@ class Manager:
         All members vote (a one-element all-reduce of MIN); a failure of the
         vote itself counts as a no.  On a yes the step count goes up.
         """
+        self._check_in_step("should_commit")
+        self._in_step = False
         self._wait_future()
         if self._fatal is not None:
             raise self._fatal
-        ok = 1 if self._errored is None and self.pg.current is not None else 0
-        vote = np.array([ok], np.int32)
-        decision = False
-        if self.pg.current is not None:
-            try:
-                self.pg.allreduce(vote, ReduceOp.MIN)
-                decision = bool(vote[0] == 1)
-            except Exception as e:  # noqa: BLE001 - a failed vote is a no
-                self.report_error(e)
+        with self._cond:
+            user_error, self._user_error = self._user_error, None
+        if user_error is not None:
+            self.report_error(user_error)
+        decision = self._vote()
         if isinstance(self._client, ReplicaGroupClient):
             # every rank of this replica decides alike: rank i voted with rank i of the others
             try:
@@ -320,6 +380,7 @@ class Manager:
                 decision = False
         with self._cond:
             if decision:
+                self._await_transfers()
                 self._step += 1
                 epoch, qid = self._quorum_key or ("", 0)
                 self._commit_id = f"{epoch}:{qid}:{self._step}"
@@ -334,7 +395,47 @@ class Manager:
                      self._errored or "a peer voted no")
         if self._fatal is not None and not decision:
             raise self._fatal  # this replica group broke (a rank died): restart it
+        if user_error is not None:  # a fresh exception: the kept one went through other threads
+            raise StateDictError(str(user_error)) from user_error.__cause__
+        self._count_failure(decision)
         return decision
+
+    def _vote(self) -> bool:
+        """Every member votes (MIN of "no error"); errored members vote too, so the calls match."""
+        usable = self._group_usable()
+        vote = np.array([1 if self._errored is None and usable else 0], np.int32)
+        if not usable:
+            return False
+        try:
+            self.pg.allreduce(vote, ReduceOp.MIN)
+            self._raise_swallowed()
+        except Exception as e:  # noqa: BLE001 - a failed vote is a no
+            self.report_error(e)
+            return False
+        return bool(vote[0] == 1)
+
+    def _await_transfers(self) -> None:
+        """Under the lock: the state changes after a commit, so transfers of it must end first.
+
+        After ``quorum_timeout`` the transfers still going are cut (their
+        receivers see a broken transfer, never a torn state).
+        """
+        if self._cond.wait_for(lambda: self._serving == 0, timeout=self.quorum_timeout):
+            return
+        log.warning("replica %s: a state transfer took longer than quorum_timeout=%g s; cut to commit",
+                    self.replica_id, self.quorum_timeout)
+        recovery = self._recovery
+        while recovery is not None:
+            recovery.cut_transfers()  # (again, for one that began as the last was cut)
+            if self._cond.wait_for(lambda: self._serving == 0, timeout=1.0):
+                return
+
+    def _count_failure(self, committed: bool) -> None:
+        self._failures = 0 if committed else self._failures + 1
+        if self.max_retries is not None and self._failures > self.max_retries:
+            raise DistBackendError(
+                f"replica {self.replica_id}: {self._failures} steps in a row were discarded "
+                f"(max_retries={self.max_retries}); last error: {self._errored or 'a peer voted no'}")
 
     # -- errors ----------------------------------------------------------------------------
     def report_error(self, e: BaseException) -> None:
@@ -379,7 +480,8 @@ class Manager:
     # -- the quorum, in the background ------------------------------------------------------
     def _run_quorum(self, timeout: float, fresh: bool = False) -> None:
         assert self._client is not None
-        need = self.pg.current is None or self.pg.errored() is not None
+        self._configured = False
+        need = self._quorum_key is None or self.pg.errored() is not None
         try:
             q = self._client.quorum(self._step, self._commit_id, self._address, need, timeout,
                                     heal_first=fresh)
@@ -408,7 +510,7 @@ class Manager:
         behind = self.replica_id not in healthy_ids
         self._healing = self.replica_id not in contributing  # contributes zeros this step
         self._participating_rank = None if self._healing else contributing.index(self.replica_id)
-        if key != self._quorum_key or self.pg.current is None:
+        if key != self._quorum_key:
             self._quorum_key = None
             if key in self._failed_quorums:
                 raise DistBackendError(f"a member of quorum {key[1]} died before its group was built")
@@ -425,10 +527,15 @@ class Manager:
             self.stats["configures"] += 1
             self.stats["configure_seconds"].append(time.monotonic() - t0)
             self._quorum_key = key
+        self._configured = True
         if behind:
             self._heal(healthy, rank, top)
 
     def _heal(self, healthy: list[dict], rank: int, step: int) -> None:
+        if not self._fns:
+            raise self._user_failed(StateDictError(
+                f"replica {self.replica_id} must recover step {step} from a peer but has no registered state: "
+                "call register_state_dict_fn() before start_quorum()"))
         t0 = time.monotonic()
         sources = healthy[rank % len(healthy):] + healthy[: rank % len(healthy)]
         errors = []
@@ -442,7 +549,7 @@ class Manager:
                 log.warning("replica %s: %s; trying another peer", self.replica_id, e)
                 errors.append(f"{src['replica_id']}: {e}")
                 continue
-            except (DistNetworkError, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - whatever went wrong with this peer, try the next
                 log.warning("replica %s: recovery from %s failed: %s", self.replica_id, src["replica_id"], e)
                 errors.append(f"{src['replica_id']}: {e}")
                 continue
@@ -468,12 +575,38 @@ class Manager:
             raise DistBackendError(f"the peer's state lacks the registered keys {sorted(missing)}")
         for key, (load_fn, save_fn) in self._fns.items():
             if load_fn is not None:
-                load_fn(tree[key])
-            else:
-                _copy_into(save_fn(), tree[key], key)
+                self._call_state_fn("load_fn", key, load_fn, tree[key])
+                continue
+            skipped: list[str] = []
+            _copy_into(self._call_state_fn("save_fn", key, save_fn), tree[key], key, skipped)
+            if skipped and key not in self._warned:
+                self._warned.add(key)
+                log.warning("replica %s: state %r was registered with load_fn=None, which copies arrays in "
+                            "place only: %s not loaded from the peer (give a load_fn)", self.replica_id,
+                            key, ", ".join(skipped))
+
+    def _call_state_fn(self, name: str, key: str, fn: Callable, *args: Any) -> Any:
+        """Call a registered function; what it raises fails the step and is raised by should_commit."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the user's: raised at the end of the step
+            error = StateDictError(
+                f"{name} of state {key!r} raised on replica {self.replica_id}: {type(e).__name__}: {e}")
+            raise self._user_failed(error) from e
+
+    def _user_failed(self, e: StateDictError) -> StateDictError:
+        """Keep ``e`` for ``should_commit`` to raise; returns it."""
+        with self._cond:
+            if self._user_error is None:
+                self._user_error = e
+        return e
 
     def _snapshot(self, step: int, commit_id: str) -> tuple[int, str, Any]:
-        """Called by the recovery server: this replica's state at ``step``, once it is stable."""
+        """Called by the recovery server: this replica's state at ``step``, once it is stable.
+
+        The transfer counts as in flight (a commit waits for it) until the
+        server calls :meth:`_transfer_done`.
+        """
         with self._cond:
             ready = self._cond.wait_for(
                 lambda: self._step >= step and self._phase != "committing", timeout=self.timeout)
@@ -481,7 +614,17 @@ class Manager:
                 raise DistBackendError(
                     f"replica {self.replica_id} is at step {self._step} (commit {self._commit_id!r}, "
                     f"{self._phase}), not at step {step} (commit {commit_id!r})")
-            return self._step, self._commit_id, {k: save() for k, (_, save) in self._fns.items()}
+            if not self._fns:
+                raise DistBackendError(f"replica {self.replica_id} has no registered state to send "
+                                       "(register_state_dict_fn() was not called)")
+            tree = {k: self._call_state_fn("save_fn", k, save) for k, (_, save) in self._fns.items()}
+            self._serving += 1
+            return self._step, self._commit_id, tree
+
+    def _transfer_done(self) -> None:
+        with self._cond:
+            self._serving -= 1
+            self._cond.notify_all()
 
     def _member_failed(self, note: dict) -> None:
         key = (note.get("epoch"), note.get("quorum_id"))
@@ -500,6 +643,7 @@ class Manager:
     def shutdown(self, wait: bool = True) -> None:
         """Leave the job: stop the threads, close the group, the store and the servers."""
         executor, self._executor = self._executor, None
+        self._in_step = False
         if self._client is not None:
             self._client.close()  # also ends a quorum request in progress
         if executor is not None:
@@ -527,6 +671,35 @@ class Manager:
         self.shutdown()
 
 
+def _check_group(pg: Any) -> None:
+    """Refuse a group the manager cannot rebuild at each quorum."""
+    from .wrappers import ManagedProcessGroup, ProcessGroupWrapper
+
+    if isinstance(pg, ManagedProcessGroup):
+        raise DistInputError("pg= cannot be a ManagedProcessGroup (it is a manager's own group)")
+    inner = pg
+    while isinstance(inner, ProcessGroupWrapper):
+        inner = inner._pg
+    if not isinstance(inner, ProcessGroup) or not callable(getattr(inner, "configure", None)):
+        raise DistInputError(
+            f"pg= must be a group the manager can configure at each quorum (a ReconfigurableProcessGroup, "
+            f"a SubprocessProcessGroup, or a wrapper of one), got {type(pg).__name__}")
+
+
+def _check_hostname(host: Any) -> None:
+    """``hostname=`` must be a name or address this machine can listen on (peers connect to it)."""
+    if not isinstance(host, str) or not host:
+        raise DistInputError(f"hostname must be a non-empty str, got {host!r}")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.bind((host.strip("[]"), 0))
+    except OSError as e:
+        raise DistInputError(f"hostname {host!r} is not an address of this machine (cannot listen on it: "
+                             f"{e.strerror or e}); give a name or address of this machine that the other "
+                             "replicas can reach") from None
+
+
 def _recovery_address(member: dict, group_rank: int) -> str:
     """Where rank ``group_rank`` of a quorum member serves its state."""
     address = member["address"]
@@ -543,7 +716,8 @@ def _env_store_addr(world_size: int) -> str:
     return f"{host}:{port}"
 
 
-def _copy_into(target: Any, source: Any, where: str) -> None:
+def _copy_into(target: Any, source: Any, where: str, skipped: list[str]) -> None:
+    """Copy ``source``'s arrays into ``target``'s, in place; other leaves go to ``skipped``."""
     if isinstance(target, np.ndarray):
         if not isinstance(source, np.ndarray) or source.shape != target.shape:
             raise DistBackendError(f"state {where}: cannot copy {getattr(source, 'shape', type(source))} "
@@ -551,7 +725,9 @@ def _copy_into(target: Any, source: Any, where: str) -> None:
         np.copyto(target, source)
     elif isinstance(target, dict):
         for k, v in target.items():
-            _copy_into(v, source[k], f"{where}/{k}")
+            _copy_into(v, source[k], f"{where}/{k}", skipped)
     elif isinstance(target, (list, tuple)):
         for i, v in enumerate(target):
-            _copy_into(v, source[i], f"{where}/{i}")
+            _copy_into(v, source[i], f"{where}/{i}", skipped)
+    else:
+        skipped.append(where)

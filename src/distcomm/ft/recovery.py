@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DistError, DistNetworkError, DistTypeError
+from ._net import listen, parse_host_port
 
 __all__ = ["ChecksumError", "RecoveryServer", "fetch_state", "flatten", "unflatten"]
 
@@ -94,22 +95,44 @@ def unflatten(meta: Any, arrays: list[np.ndarray], allow_pickle: bool = False) -
     return meta
 
 
-def _dtype_name(dt: np.dtype) -> str:
-    return dt.name if dt.kind == "V" else dt.str
+def _dtype_spec(dt: np.dtype) -> dict:
+    """An array's dtype as JSON: ``dtype.str``, or the fields of a structured dtype."""
+    return {"descr": dt.descr} if dt.fields is not None else {"dtype": dt.str}
+
+
+def _dtype_of(spec: dict) -> np.dtype:
+    if "descr" in spec:
+        return np.dtype(_fields(spec["descr"]))
+    return np.dtype(spec["dtype"])
+
+
+def _fields(descr: list) -> list[tuple]:
+    """A structured dtype's ``descr`` back from JSON (lists to tuples, nested fields too)."""
+    out = []
+    for name, kind, *shape in descr:
+        out.append((tuple(name) if isinstance(name, list) else name,
+                    _fields(kind) if isinstance(kind, list) else kind, *(tuple(s) for s in shape)))
+    return out
 
 
 # -- the sending side -------------------------------------------------------------------------
 class RecoveryServer:
-    """Serves ``snapshot(step, commit_id) -> (step, commit_id, tree)`` to peers that ask."""
+    """Serves ``snapshot(step, commit_id) -> (step, commit_id, tree)`` to peers that ask.
+
+    ``done()`` is called when a transfer whose snapshot was taken ends (sent
+    or not): until then the snapshot's arrays are being read.
+    """
 
     def __init__(self, host: str, snapshot: Callable[[int, str], tuple[int, str, Any]], *,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, done: Callable[[], None] | None = None) -> None:
         self._snapshot = snapshot
+        self._done = done
         self.allow_pickle = allow_pickle
         self.corrupt_next = 0  # tests: flip a byte in the next N transfers
-        self._sock = socket.create_server((host, 0))
+        self._conns: set[socket.socket] = set()  # transfers in flight
+        self._lock = threading.Lock()
+        self._sock, self.address = listen(host)
         self._sock.settimeout(0.2)
-        self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._accept_loop, name="distcomm-ft-recovery", daemon=True)
@@ -133,37 +156,75 @@ class RecoveryServer:
             try:
                 conn.settimeout(30.0)
                 req = json.loads(_readline(conn))
-                try:
-                    step, commit_id, tree = self._snapshot(int(req["step"]), str(req.get("commit_id", "")))
-                    meta, arrays = flatten(tree, self.allow_pickle)
-                except Exception as e:  # noqa: BLE001 - told to the peer
-                    conn.sendall(json.dumps({"ok": False, "error": str(e)}).encode() + b"\n")
-                    return
-                descr = [{"dtype": _dtype_name(a.dtype), "shape": list(a.shape), "nbytes": a.nbytes}
-                         for a in arrays]
-                total = sum(a.nbytes for a in arrays)
-                head = {"ok": True, "step": step, "commit_id": commit_id, "tree": meta, "arrays": descr,
-                        "nbytes": total, "checksum": "blake2b-128"}
-                conn.sendall(json.dumps(head).encode() + b"\n")
-                digest = hashlib.blake2b(digest_size=DIGEST)
-                corrupt = self.corrupt_next > 0
-                if corrupt:
-                    self.corrupt_next -= 1
-                for a in arrays:
-                    view = memoryview(a.reshape(-1).view(np.uint8))
-                    for off in range(0, len(view), CHUNK):
-                        part = view[off : off + CHUNK]
-                        digest.update(part)
-                        if corrupt and len(part):
-                            bad = bytearray(part)
-                            bad[len(bad) // 2] ^= 0xFF
-                            conn.sendall(bad)
-                            corrupt = False
-                        else:
-                            conn.sendall(part)
-                conn.sendall(digest.digest())
-            except (OSError, ValueError, KeyError) as e:
-                log.info("state transfer to a peer ended early: %s", e)
+                step, commit_id = int(req["step"]), str(req.get("commit_id", ""))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.info("a state request could not be read: %s", e)
+                return
+            try:
+                snap = self._snapshot(step, commit_id)
+            except Exception as e:  # noqa: BLE001 - logged here, told to the peer
+                self._refuse(conn, e)
+                return
+            with self._lock:
+                self._conns.add(conn)
+            try:
+                self._send(conn, *snap)
+            finally:
+                with self._lock:
+                    self._conns.discard(conn)
+                if self._done is not None:
+                    self._done()
+
+    def _refuse(self, conn: socket.socket, e: BaseException) -> None:
+        log.warning("cannot send this replica's state to a peer: %s", e)
+        try:
+            conn.sendall(json.dumps({"ok": False, "error": str(e)}).encode() + b"\n")
+        except OSError:
+            pass
+
+    def _send(self, conn: socket.socket, step: int, commit_id: str, tree: Any) -> None:
+        try:
+            meta, arrays = flatten(tree, self.allow_pickle)
+        except Exception as e:  # noqa: BLE001 - logged here, told to the peer
+            self._refuse(conn, e)
+            return
+        descr = [{**_dtype_spec(a.dtype), "shape": list(a.shape), "nbytes": a.nbytes} for a in arrays]
+        head = {"ok": True, "step": step, "commit_id": commit_id, "tree": meta, "arrays": descr,
+                "nbytes": sum(a.nbytes for a in arrays), "checksum": "blake2b-128"}
+        try:
+            conn.sendall(json.dumps(head).encode() + b"\n")
+            self._send_arrays(conn, arrays)
+        except OSError as e:
+            log.info("state transfer to a peer ended early: %s", e)
+
+    def _send_arrays(self, conn: socket.socket, arrays: list[np.ndarray]) -> None:
+        digest = hashlib.blake2b(digest_size=DIGEST)
+        corrupt = self.corrupt_next > 0
+        if corrupt:
+            self.corrupt_next -= 1
+        for a in arrays:
+            view = memoryview(a.reshape(-1).view(np.uint8))
+            for off in range(0, len(view), CHUNK):
+                part = view[off : off + CHUNK]
+                digest.update(part)
+                if corrupt and len(part):
+                    bad = bytearray(part)
+                    bad[len(bad) // 2] ^= 0xFF
+                    conn.sendall(bad)
+                    corrupt = False
+                else:
+                    conn.sendall(part)
+        conn.sendall(digest.digest())
+
+    def cut_transfers(self) -> None:
+        """Break the transfers in flight (their receivers see a broken transfer)."""
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         self._closed = True
@@ -181,9 +242,8 @@ def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.n
     ``staging`` maps an array's position to the array it was last received
     into; matching arrays are reused, others replaced.
     """
-    host, _, port = address.rpartition(":")
     try:
-        conn = socket.create_connection((host, int(port)), timeout=timeout)
+        conn = socket.create_connection(parse_host_port(address, "address"), timeout=timeout)
     except OSError as e:
         raise DistNetworkError(f"cannot reach the peer's state server at {address}: {e}", addr=address) from e
     with conn:
@@ -197,7 +257,10 @@ def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.n
             arrays = []
             digest = hashlib.blake2b(digest_size=DIGEST)
             for i, d in enumerate(head["arrays"]):
-                dt, shape = np.dtype(d["dtype"]), tuple(d["shape"])
+                dt, shape = _dtype_of(d), tuple(d["shape"])
+                if dt.itemsize * int(np.prod(shape)) != d["nbytes"]:
+                    raise DistNetworkError(f"the peer at {address} described array {i} inconsistently "
+                                           f"({d})", addr=address)
                 arr = staging.get(i)
                 if arr is None or arr.dtype != dt or arr.shape != shape:
                     arr = staging[i] = np.empty(shape, dt)
@@ -207,6 +270,8 @@ def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.n
                 arrays.append(arr)
             theirs = bytearray(DIGEST)
             _recv_into(conn, memoryview(theirs), address)
+        except DistNetworkError:
+            raise
         except OSError as e:
             raise DistNetworkError(f"state transfer from {address} broke: {e}", addr=address) from e
     if digest.digest() != bytes(theirs):

@@ -58,6 +58,7 @@ from ..errors import (
     DistStoreError,
     DistTimeoutError,
 )
+from ._net import listen, parse_host_port
 from .lighthouse_client import LighthouseClient, LighthouseRefusedError, _readline
 
 __all__ = ["ReplicaGroupClient", "ReplicaGroupError", "ReplicaGroupServer", "server_key"]
@@ -121,9 +122,8 @@ class ReplicaGroupServer:
         self._left: str | None = None  # a rank left (a departure): no further round can complete
         self._closed = False
         self._work: queue.Queue[tuple[int, dict[int, dict]] | None] = queue.Queue()
-        self._sock = socket.create_server((host, 0))
+        self._sock, self.address = listen(host)
         self._sock.settimeout(0.2)
-        self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._threads: list[threading.Thread] = []
         for target, name in ((self._accept_loop, "accept"), (self._ask_loop, "quorum")):
             t = threading.Thread(target=target, name=f"distcomm-ft-replica-{name}", daemon=True)
@@ -376,8 +376,8 @@ class ReplicaGroupClient:
             attempts += 1
             try:
                 addr = lookup(max(0.01, deadline.remaining()))
-                host, _, port = addr.rpartition(":")
-                sock = socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, deadline.remaining())))
+                sock = socket.create_connection(parse_host_port(addr, "replica server address"),
+                                                timeout=max(0.1, min(2.0, deadline.remaining())))
             except (OSError, ValueError, DistStoreError) as e:
                 last = str(e)
             else:

@@ -241,10 +241,10 @@ class SubprocessProcessGroup(ProcessGroup):
     def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
         if self._closed:
             raise DistBackendError("this SubprocessProcessGroup was shut down")
+        if self._error is not None:  # (its child was killed: no socket either)
+            raise DistBackendError(f"the subprocess group failed: {self._error}") from self._error
         if self._sock is None:
             raise DistBackendError("the subprocess group is not configured; call configure() first")
-        if self._error is not None:
-            raise DistBackendError(f"the subprocess group failed: {self._error}") from self._error
         async_op = bool(kwargs.pop("async_op", False))
         if self._last is not None and not self._last.is_completed():
             self._last.wait(self.timeout)  # one operation in the arena at a time

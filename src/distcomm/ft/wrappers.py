@@ -18,13 +18,16 @@ never swallowed.
 
 from __future__ import annotations
 
+import inspect
 from concurrent.futures import Future
 from typing import Any
 
+from ..arrays import as_array
+from ..backends.channel_group import ChannelProcessGroup
 from ..deadline import Timeout
 from ..errors import DistBackendError, DistInputError, DistTypeError
 from ..group import ProcessGroup
-from ..reduce_op import ReduceOp
+from ..reduce_op import ReduceOp, check_op
 from ..work import DistFuture, Work, completed
 from .reconfigurable import COLLECTIVES
 
@@ -48,6 +51,34 @@ def _natural_result(name: str, args: tuple, kwargs: dict) -> Any:
     if name == "gather":
         return args[1] if len(args) > 1 else kwargs.get("gather_list")
     return args[0] if args else kwargs.get("tensor")
+
+
+_LISTS = ("output_list", "tensor_list", "input_list", "output_tensor_list", "input_tensor_list",
+          "scatter_list", "gather_list")
+_RANKS = ("root", "src", "dst")
+
+
+def _validate(pg: ProcessGroup, name: str, args: tuple, kwargs: dict) -> None:
+    """The argument checks a call makes before sending anything, for a call that is skipped."""
+    try:
+        bound = inspect.signature(getattr(ChannelProcessGroup, name)).bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise DistTypeError(f"{name}(): {e}") from None
+    dtype = None
+    for param, value in list(bound.arguments.items())[1:]:
+        if param in _LISTS and value is not None:
+            if not isinstance(value, (list, tuple)):
+                raise DistTypeError(f"{param} must be a list of tensors, got {type(value).__name__}")
+            for i, v in enumerate(value):
+                as_array(v, writable=False, what=f"{param}[{i}]")
+        elif param in _RANKS and value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < pg.size():
+                label = param if param != "root" else "src" if name in ("broadcast", "scatter") else "dst"
+                raise DistInputError(f"{label} {value!r} is not a rank of this group [0, {pg.size()})")
+        elif param in ("tensor", "input", "output"):
+            dtype = as_array(value, writable=False, what=param).dtype
+    if "op" in bound.arguments and dtype is not None:
+        check_op(bound.arguments["op"], str(dtype))
 
 
 class ProcessGroupWrapper(ProcessGroup):
@@ -135,8 +166,13 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         self._error = None
         super().configure(store_addr, rank, world_size)
 
+    def _skips(self) -> bool:
+        """Whether operations are skipped (an error was reported)."""
+        return self.error() is not None
+
     def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
-        if self.error() is not None:
+        if self._skips():
+            _validate(self.parent, name, args, kwargs)
             return completed(name, self.group_name, _natural_result(name, args, kwargs))
         try:
             work = super()._call(name, args, kwargs)
@@ -198,9 +234,9 @@ class ManagedProcessGroup(ErrorSwallowingProcessGroupWrapper):
     """The manager's group as a process group for model code.
 
     ``size()`` is the number of replicas participating in the current step;
-    ``allreduce`` is the manager's (the average over participants, healing
-    replicas contributing zeros, for SUM and AVG); errors are reported to the
-    manager and every call returns normally.
+    ``allreduce`` is the manager's (the sum over participants by default, the
+    average with ``op=AVG``; healing replicas contribute zeros); errors are
+    reported to the manager and every call returns normally.
     """
 
     def __init__(self, manager: Any) -> None:
@@ -226,6 +262,11 @@ class ManagedProcessGroup(ErrorSwallowingProcessGroupWrapper):
 
     def allreduce(self, tensor: Any, op: Any = ReduceOp.SUM, async_op: bool = False) -> Work:
         return self._manager.allreduce(tensor, op=op)
+
+    def _skips(self) -> bool:
+        """Only when the group itself failed: a replica whose step failed otherwise (its
+        recovery, a function of its own) still takes part, so its peers' calls are matched."""
+        return not self._manager._group_usable()
 
     def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
         self._manager.wait_quorum()
