@@ -315,6 +315,22 @@ def test_unsupported_device_and_dtype_messages():
         _check_tensor(np.zeros(2), "tensor", reduces=False)
 
 
+def test_tensor_storage_stays_resizable_after_conversion():
+    """distcomm's zero-copy view of a tensor leaves its storage resizable (FSDP frees parameters
+    with ``storage().resize_(0)``; ``Tensor.numpy()`` would forbid it for good)."""
+    from distcomm.arrays import as_array
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
+        t = torch.zeros(4, 2, dtype=dtype)
+        ref = as_array(t, writable=True)
+        assert ref.array.shape == (8,) and ref.array.ctypes.data == t.data_ptr(), dtype  # zero-copy
+        ref.array[:] = ref.array.dtype.type(1)
+        assert bool(t.all()), dtype  # writes reach the tensor
+        del ref
+        t.untyped_storage().resize_(0)
+        t.resize_(3)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_ddp_runs_both_backends(tmp_path):
@@ -357,3 +373,169 @@ def test_docs_torch_examples_run(ranks_results):
         assert len(res["docs"]) == len(programs)
         for out in res["docs"]:
             assert f"rank {rank}: trained, replicas identical" in out, out
+
+
+# -- torch's Work, future callbacks, group names, direct ProcessGroup calls ----------------------
+
+
+def _overloads(rank: int, ws: int) -> None:
+    """The ProcessGroup object's own methods, with torch's overloads."""
+    pg = tdist.group.WORLD
+    for call, want in ((lambda t: pg.allreduce([t], tdist.ReduceOp.MAX), 2.0),  # a bare ReduceOp
+                       (lambda t: pg.allreduce(t), 3.0),  # a bare tensor
+                       (lambda t: pg.broadcast(t, 1), 2.0)):  # a bare root
+        t = torch.ones(2) * (rank + 1)
+        call(t).wait()
+        assert torch.equal(t, torch.full((2,), want)), t
+
+
+def _resizable(rank: int, ws: int) -> None:
+    """A tensor's storage stays resizable after a collective (FSDP1 frees parameters so)."""
+    t = torch.ones(4)
+    tdist.all_reduce(t)
+    t.untyped_storage().resize_(0)
+
+
+def _group_names(rank: int, ws: int) -> None:
+    """Group names, and what needs them: functional collectives, DeviceMesh, FSDP2, destroying
+    a subgroup."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sub = tdist.new_group([0, 1])
+    names = (tdist.group.WORLD.group_name, sub.group_name)
+    assert all(isinstance(n, str) and n for n in names) and names[0] != names[1], names
+    got = funcol.all_reduce(torch.ones(2) * (rank + 1), "sum", sub)
+    assert torch.equal(got, torch.full((2,), 3.0)), got
+    mesh = init_device_mesh("cpu", (ws,))
+    t = torch.ones(1) * (rank + 1)
+    tdist.all_reduce(t, group=mesh.get_group())
+    assert t.item() == 3.0, t
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(2, 4) * (rank + 1)).sum().backward()
+    tdist.destroy_process_group(sub)
+
+
+def _wait_timeout(rank: int, ws: int) -> None:
+    """``wait(timeout)`` raises once it passes; the operation goes on and finishes later."""
+    import datetime
+
+    late = torch.ones(2) * (rank + 1)
+    if rank == 0:
+        w = tdist.all_reduce(late, async_op=True)
+        t0 = time.monotonic()
+        try:
+            w.wait(timeout=datetime.timedelta(seconds=0.3))
+            raise AssertionError("wait(timeout) did not raise")
+        except distcomm.DistTimeoutError:
+            assert time.monotonic() - t0 < 3, time.monotonic() - t0
+        finally:
+            tdist.send(torch.zeros(1), dst=1)
+        assert not w.is_success()
+        assert w.wait() is True and w.is_success() and w.get_future().value()[0] is late
+    else:
+        tdist.recv(torch.zeros(1), src=0)
+        tdist.all_reduce(late)
+    assert torch.equal(late, torch.full((2,), 3.0)), late
+
+
+def _errors(rank: int, ws: int) -> None:
+    """A failed async operation: ``wait()`` raises distcomm's error, the future fails."""
+    import datetime
+
+    short = tdist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    try:
+        if rank == 0:
+            w = tdist.irecv(torch.zeros(2), src=1, group=short)  # rank 1 never sends
+            try:
+                w.wait()
+                raise AssertionError("wait() of a failed receive returned")
+            except distcomm.DistTimeoutError:
+                pass
+            assert not w.is_success() and isinstance(w.exception(), distcomm.DistTimeoutError)
+            try:
+                value = w.get_future().wait()
+                raise AssertionError(f"the future of a failed receive returned {value!r:.100}")
+            except RuntimeError as e:
+                assert "DistTimeoutError" in str(e), e
+    finally:
+        tdist.barrier()  # (the group goes with the default group's destruction)
+
+
+def _nested_collective_in_callback(rank: int, ws: int) -> None:
+    """A future callback issuing another collective and waiting for it (DDP's PowerSGD hook)."""
+    b = torch.ones(3) * 10
+
+    def nested(_fut):
+        return tdist.all_reduce(b, async_op=True).get_future().wait()[0]
+
+    fut = tdist.all_reduce(torch.ones(3), async_op=True).get_future().then(nested)
+    deadline = time.monotonic() + 10
+    while not fut.done():
+        assert time.monotonic() < deadline, "deadlocked: not done after 10 s"
+        time.sleep(0.01)
+    assert torch.equal(fut.wait(), torch.full((3,), 20.0)), fut.wait()
+
+
+def work_rank(rank: int, ws: int, port: int) -> list[str]:
+    """What torch's own code relies on beyond the results (each check above); the problems."""
+    import threading
+
+    problems: list[str] = []
+    _init("distcomm", rank, ws, port)
+    try:
+        for check in (_overloads, _resizable, _group_names, _wait_timeout, _errors,
+                      _nested_collective_in_callback):
+            try:
+                check(rank, ws)
+            except Exception as e:  # noqa: BLE001 - reported
+                problems.append(f"rank {rank} {check.__name__}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    finally:
+        tdist.destroy_process_group()
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("distcomm-torch-completion")]
+    if leftover:
+        problems.append(f"rank {rank}: completion threads left after destroy_process_group: {leftover}")
+    return problems
+
+
+@pytest.mark.timeout(90)
+def test_work_errors_callbacks_names_and_overloads():
+    problems = run_ranks(work_rank, WORLD, free_port(), timeout=75)
+    problems = [p for r in problems for p in r]
+    assert not problems, "\n".join(problems)
+
+
+def groups_on_gloo_rank(rank: int, ws: int, port: int) -> tuple[int, list[str]]:
+    """Default group on gloo, overlapping distcomm groups: each works on its own ranks.
+    Returns this process's pid (its shared-memory files carry it) and the problems found."""
+    import os
+
+    _init("gloo", rank, ws, port)
+    problems = []
+    try:
+        for ranks in ([0, 1], [1, 2], [0, 1, 2]):
+            g = tdist.new_group(ranks, backend="distcomm")
+            if rank in ranks:
+                t = torch.ones(1) * (rank + 1)
+                tdist.all_reduce(t, group=g)
+                if t.item() != sum(r + 1 for r in ranks):
+                    problems.append(f"rank {rank} group {ranks}: {t.item()}")
+        tdist.barrier()
+    finally:
+        tdist.destroy_process_group()
+    return os.getpid(), problems
+
+
+@pytest.mark.timeout(90)
+def test_distcomm_groups_under_a_gloo_default_group():
+    import os
+
+    results = run_ranks(groups_on_gloo_rank, 3, free_port(), timeout=60)
+    assert not [p for _, problems in results for p in problems]
+    mine = tuple(f"distcomm-{pid}-" for pid, _ in results)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(mine)], "files left in /dev/shm"

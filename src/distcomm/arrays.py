@@ -229,19 +229,40 @@ def _from_torch(t: Any, torch: Any, writable: bool, what: str) -> ArrayRef:
         raise DistInputError(
             f"{what} has a lazy conjugate/negative bit set; pass x.resolve_conj().resolve_neg()"
         )
-    name = None
-    try:
-        if t.dtype == torch.bfloat16:
-            arr = t.detach().view(torch.int16).numpy().view(_UINT16)
-            bf16 = bfloat16_dtype()
-            arr, name = (arr if bf16 is None else arr.view(bf16)), "bfloat16"
-        else:
-            arr = t.detach().numpy()
-    except (RuntimeError, TypeError) as exc:
-        raise DistTypeError(
-            f"{what} has torch dtype {t.dtype}, which collectives do not support ({exc})"
-        ) from None
-    return _from_ndarray(arr, t, writable, what, "x.contiguous()", name)
+    typestr = (_TORCH_TYPESTRS or _torch_typestrs(torch)).get(t.dtype)
+    if typestr is None:
+        raise DistTypeError(f"{what} has torch dtype {t.dtype}, which collectives do not support")
+    arr = np.asarray(_TensorMemory(t, typestr))
+    if t.dtype != torch.bfloat16:
+        return _from_ndarray(arr, t, writable, what, "x.contiguous()")
+    bf16 = bfloat16_dtype()
+    return _from_ndarray(arr if bf16 is None else arr.view(bf16), t, writable, what, "x.contiguous()", "bfloat16")
+
+
+_TORCH_TYPESTRS: dict[Any, str] = {}  # torch dtype -> NumPy typestr (bfloat16: its bits), once torch is seen
+
+
+def _torch_typestrs(torch: Any) -> dict[Any, str]:
+    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+             "float16", "float32", "float64", "complex64", "complex128"]
+    found = {getattr(torch, n): np.dtype(n).str for n in names if hasattr(torch, n)}
+    _TORCH_TYPESTRS.update(found)
+    _TORCH_TYPESTRS[torch.bfloat16] = _UINT16.str
+    return _TORCH_TYPESTRS
+
+
+class _TensorMemory:
+    """A dense CPU tensor's memory as NumPy sees it (``__array_interface__``): zero-copy and
+    writable like ``Tensor.numpy()``, which however marks the tensor's storage non-resizable
+    for good (FSDP frees parameters with ``storage().resize_(0)``).  Holds the tensor, so the
+    array keeps its memory alive."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: Any, typestr: str) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                    "typestr": typestr, "version": 3}
 
 
 def _from_dlpack(obj: Any, what: str) -> np.ndarray:

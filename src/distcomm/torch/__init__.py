@@ -36,7 +36,7 @@ __all__ = ["BACKEND_NAME", "DistcommProcessGroup", "TorchStore", "register"]
 
 
 class _World:
-    """The distcomm world behind torch's default group: its group and shared resources."""
+    """A distcomm world made for a torch group: its group and the resources it owns."""
 
     def __init__(self, backend: str, pg: ProcessGroup, resources: list[Any]) -> None:
         self.backend = backend
@@ -44,6 +44,8 @@ class _World:
         self.resources = resources
 
 
+#: The world behind torch's default group when that group is on distcomm: distcomm groups
+#: torch makes later are its subgroups (sharing its resources).  None otherwise.
 _world: _World | None = None
 _lock = threading.Lock()
 
@@ -72,8 +74,27 @@ class _Holder:
         self.resources: list[Any] = []
 
 
+def _new_world(store: TorchStore, rank: int, size: int, timeout: float, name: str) -> _World:
+    """A distcomm world of this torch group's ranks alone, over the group's own store."""
+    backend, factory = resolve_backend(os.environ.get("DISTCOMM_TORCH_BACKEND") or None, "auto")
+    holder = _Holder()
+    try:
+        pg = factory.world(store, rank, size, timeout, world=holder)
+    except BaseException:
+        for r in holder.resources[::-1]:
+            r.close()
+        raise
+    pg.group_name = name
+    return _World(backend, pg, holder.resources)
+
+
 def _create(opts: Any, backend_options: Any = None) -> DistcommProcessGroup:
-    """torch's creator (``extended_api=True``): a torch group on a new distcomm group."""
+    """torch's creator (``extended_api=True``): a torch group on a new distcomm group.
+
+    torch's default group (no ``global_ranks_in_group``) gets a distcomm world, which later
+    groups are subgroups of.  When the default group is on another backend (gloo), each
+    distcomm group is a world of its own over its own store (torch prefixes it per group).
+    """
     global _world
     rank, size = int(opts.group_rank), int(opts.group_size)
     timeout = _seconds(opts.timeout)
@@ -82,20 +103,14 @@ def _create(opts: Any, backend_options: Any = None) -> DistcommProcessGroup:
     name = f"torch:{opts.group_id}"
     with _lock:
         world = _world
-    if world is None or not ranks:  # the default group
-        backend, factory = resolve_backend(os.environ.get("DISTCOMM_TORCH_BACKEND") or None, "auto")
-        holder = _Holder()
-        try:
-            pg = factory.world(store, rank, size, timeout, world=holder)
-        except BaseException:
-            for r in holder.resources[::-1]:
-                r.close()
-            raise
-        pg.group_name = name
-        new_world = _World(backend, pg, holder.resources)
-        with _lock:
-            _world = new_world
-        return DistcommProcessGroup(pg, on_shutdown=lambda: _close_world(new_world))
+    if world is None or not ranks:
+        new = _new_world(store, rank, size, timeout, name)
+        if not ranks:  # the default group
+            with _lock:
+                _world = new
+        else:
+            new.pg.ranks = ranks
+        return DistcommProcessGroup(new.pg, on_shutdown=lambda: _close_world(new))
     _, factory = resolve_backend(world.backend, "auto")
     pg = factory.subgroup(world.pg, store, ranks, rank, name, timeout)
     pg.group_name = name

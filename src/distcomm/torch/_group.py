@@ -6,21 +6,23 @@ Each method here checks the tensors (CPU, dense; dtypes NumPy lacks are
 moved as raw bits or refused for reductions), runs the matching collective
 of a distcomm group (``async_op`` as torch's ``opts.asyncOp`` says: DDP's
 bucket all-reduces overlap the backward pass on distcomm's worker thread),
-and wraps the outcome in a torch ``Work`` built from a ``torch.futures.Future``
-holding the output tensors, which is what DDP's reducer and communication
-hooks read.
+and wraps the outcome in a torch ``Work`` (:class:`_TorchWork`) whose
+``wait()`` raises the operation's error and whose future holds the output
+tensors (or fails), which is what DDP's reducer and communication hooks read.
+Futures are completed off the worker thread, so their callbacks may issue
+collectives.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as tdist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from ..errors import DistError, DistInputError, DistTypeError
 from ..group import ProcessGroup
@@ -65,8 +67,12 @@ def _check_tensor(t: Any, what: str, reduces: bool) -> Any:
     return t.view(words)  # the same bits, moved untouched
 
 
-def _op(opts: Any) -> ReduceOp:
-    op = getattr(opts, "reduceOp", tdist.ReduceOp.SUM)
+def _op(opts: Any, op: Any = None) -> ReduceOp:
+    """The reduce op of ``opts`` (an options object, or a bare ``ReduceOp`` as torch's overloads
+    take), or ``op`` when given."""
+    if op is None:
+        op = opts if isinstance(opts, (tdist.ReduceOp, tdist.ReduceOp.RedOpType)) else getattr(
+            opts, "reduceOp", tdist.ReduceOp.SUM)
     try:
         return as_reduce_op(op)
     except DistError:
@@ -78,36 +84,24 @@ def _op(opts: Any) -> ReduceOp:
     raise DistInputError(f"reduce op {op!r} is not supported by backend '{BACKEND_NAME}'")
 
 
+def _root(opts: Any) -> int:
+    """The root rank of ``opts`` (an options object, or a bare rank as torch's overloads take)."""
+    return int(opts) if isinstance(opts, int) else int(getattr(opts, "rootRank", 0))
+
+
 def _is_async(opts: Any) -> bool:
     return bool(getattr(opts, "asyncOp", True))
 
 
-def _to_torch_work(work: Work | None, result: list[Any]) -> Any:
-    """A torch Work finishing when ``work`` does, whose future holds ``result``."""
-    fut: Any = torch.futures.Future()
-    if work is None or work.is_completed():
-        error = None if work is None else work.exception()
-        if error is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(error)
-        return _create_work_from_future(fut)
-
-    def finished(f: Any) -> None:
-        error = f.exception()
-        if error is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(error)
-
-    work.get_future().add_done_callback(finished)
-    return _create_work_from_future(fut)
+def _listed(tensors: Any) -> list[Any]:
+    """A bare tensor (torch's single-tensor overloads) as a list of one."""
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def _failed_work(error: BaseException) -> Any:
-    fut: Any = torch.futures.Future()
-    fut.set_exception(error)
-    return _create_work_from_future(fut)
+def _nested(lists: Any) -> list[Any]:
+    """A flat list of tensors (torch's single-tensor overloads) as a list of one list."""
+    lists = list(lists)
+    return [lists] if lists and isinstance(lists[0], torch.Tensor) else lists
 
 
 def _one(tensors: Sequence[Any], what: str) -> Any:
@@ -117,6 +111,191 @@ def _one(tensors: Sequence[Any], what: str) -> Any:
             f"multi-device lists), got {len(tensors)}"
         )
     return tensors[0]
+
+
+def _timeout_seconds(timeout: Any) -> float | None:
+    """torch's wait timeout in seconds; None for none (torch passes ``timedelta(0)`` for none)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+class _Completer:
+    """Completes torch futures (running their callbacks) off the distcomm group's worker thread,
+    each on an idle thread of its own, started when none is idle: a callback may issue another
+    operation and wait for its future (DDP's PowerSGD hook), which needs another thread."""
+
+    _KEEP_IDLE = 2  # threads kept waiting for work; more exit once idle
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cv = threading.Condition()
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._stopped = False
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cv:
+            if not self._stopped:
+                self._jobs.append(job)
+                if len(self._jobs) > self._idle:
+                    self._threads = [t for t in self._threads if t.is_alive()]
+                    t = threading.Thread(target=self._loop, name=f"distcomm-torch-completion:{self._name}",
+                                         daemon=True)
+                    self._threads.append(t)
+                    t.start()
+                self._cv.notify()
+                return
+        job()  # after stop (the group's shutdown failing what was pending): in this thread
+
+    def _loop(self) -> None:
+        with self._cv:
+            while True:
+                while not self._jobs:
+                    if self._stopped or self._idle >= self._KEEP_IDLE:
+                        return
+                    self._idle += 1
+                    self._cv.wait()
+                    self._idle -= 1
+                job = self._jobs.popleft()
+                self._cv.release()
+                try:
+                    job()
+                finally:
+                    self._cv.acquire()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Run what is queued, stop the threads, join them (not the calling one)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+            threads = list(self._threads)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
+
+class _Failed:
+    """The value marking a failed operation on its way through a torch future."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(fut: Any) -> Any:
+    """``then`` callback making the public future fail with the operation's error (torch's C++
+    side only sees an error raised by a callback; ``Future.set_exception`` is Python-only)."""
+    value = fut.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+def _done_future(result: list[Any], error: BaseException | None) -> Any:
+    """A torch future already holding ``result``, or failed with ``error``."""
+    source: Any = torch.futures.Future()
+    future = source if error is None else source.then(_unwrap)
+    source.set_result(result if error is None else _Failed(error))
+    return future
+
+
+class _TorchWork(tdist.Work):
+    """torch's Work of one distcomm operation: ``wait([timeout])`` raises the operation's error;
+    ``get_future()`` holds the output tensors or fails with the error.  An operation still
+    running is completed (the future's callbacks run) by the group's :class:`_Completer`, and
+    ``wait()`` returns after that, as gloo's.  The future is made on demand: blocking calls,
+    which never ask for it, stay cheap."""
+
+    def __init__(self, work: Work | None, result: list[Any], completer: _Completer | None = None,
+                 after: Callable[[], None] | None = None, error: BaseException | None = None) -> None:
+        super().__init__()
+        self._work = work
+        self._result = result
+        self._after = after
+        self._error = error
+        self._done = False  # set once the future's callbacks ran
+        self._lock = threading.Lock()
+        self._source: Any = None  # feeds the future asked for while the operation runs
+        self._future: Any = None
+        self._pending: threading.Lock | None = None  # held until completed
+        if work is None or completer is None or work.is_completed():
+            self._complete()
+        else:
+            self._pending = threading.Lock()
+            self._pending.acquire()
+            work.get_future().add_done_callback(lambda _: completer.submit(self._complete))
+
+    def _complete(self) -> None:
+        error = self._error or (None if self._work is None else self._work.exception())
+        if error is None and self._after is not None:
+            try:
+                self._after()
+            except BaseException as e:  # noqa: BLE001 - delivered through wait() and the future
+                error = e
+        with self._lock:
+            self._error = error
+            source, self._source = self._source, None
+            if source is None and self._future is None:
+                self._future = False  # made done, on demand
+        try:
+            if source is not None:
+                source.set_result(self._result if error is None else _Failed(error))
+        finally:
+            self._done = True
+            if self._pending is not None:
+                self._pending.release()
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done and self._work is not None:
+            try:
+                self._work.wait(_timeout_seconds(timeout))
+            except BaseException:
+                if not self._work.is_completed():
+                    raise  # distcomm's timeout error (or an interrupt): the operation goes on
+            if self._pending is not None:
+                with self._pending:  # the completion (the future's callbacks) has run
+                    pass
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> Any:
+        with self._lock:
+            if self._future is None:  # the operation runs: a future _complete will complete
+                self._source = torch.futures.Future()
+                self._future = self._source.then(_unwrap)
+            elif self._future is False:
+                self._future = _done_future(self._result, self._error)
+            return self._future
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[Any]:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        """For a receive from any rank: the rank the message came from."""
+        self.wait()
+        if self._work is None:
+            raise DistInputError("this operation is not a receive; it has no source rank")
+        return self._work.source_rank()
+
+    _source_rank = source_rank
 
 
 class DistcommProcessGroup(tdist.ProcessGroup):
@@ -129,6 +308,9 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         self._shut = False
         self._lock = threading.Lock()
         self._coalesced: list[Any] | None = None  # torch Works issued inside _start/_end_coalescing
+        self._completer = _Completer(pg.group_name)
+        self._group_name: str = pg.group_name
+        self._group_desc = ""
 
     # -- identity -----------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - the name torch's C++ trampoline looks up
@@ -140,11 +322,26 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def name(self) -> str:
         return BACKEND_NAME
 
+    # torch reads a group's name (``group_name``: subgroups, functional collectives, DeviceMesh)
+    # from its backend, which a Python group has not: these overrides answer instead.
+    def getGroupName(self) -> str:  # noqa: N802 - the names torch's C++ trampoline looks up
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
     def __repr__(self) -> str:
         return f"<DistcommProcessGroup rank={self.rank()}/{self.size()} on {self.distcomm_group!r}>"
 
     # -- collectives ----------------------------------------------------------------------------
     def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> Any:
+        tensors = _listed(tensors)
         t = _check_tensor(_one(tensors, "tensor"), "tensor", reduces=True)
         w = self.distcomm_group.allreduce(t, _op(opts), async_op=_is_async(opts))
         return self._wrap(w, list(tensors))
@@ -168,24 +365,24 @@ class DistcommProcessGroup(tdist.ProcessGroup):
                 t.copy_(flat[pos : pos + n].view_as(t))
                 pos += n
 
-        return self._then(w, unpack, result)
+        return self._wrap(w, result, unpack)
 
     def broadcast(self, tensors: Sequence[Any], opts: Any = None) -> Any:
+        tensors = _listed(tensors)
         t = _check_tensor(_one(tensors, "tensor"), "tensor", reduces=False)
-        root = int(getattr(opts, "rootRank", 0))
-        w = self.distcomm_group.broadcast(t, root, async_op=_is_async(opts))
+        w = self.distcomm_group.broadcast(t, _root(opts), async_op=_is_async(opts))
         return self._wrap(w, list(tensors))
 
-    def reduce(self, tensors: Sequence[Any], opts: Any = None) -> Any:
+    def reduce(self, tensors: Sequence[Any], opts: Any = None, op: Any = None) -> Any:
+        tensors = _listed(tensors)
         t = _check_tensor(_one(tensors, "tensor"), "tensor", reduces=True)
-        root = int(getattr(opts, "rootRank", 0))
-        w = self.distcomm_group.reduce(t, root, _op(opts), async_op=_is_async(opts))
+        w = self.distcomm_group.reduce(t, _root(opts), _op(opts, op), async_op=_is_async(opts))
         return self._wrap(w, list(tensors))
 
     def allgather(self, output_tensors: Sequence[Sequence[Any]], input_tensors: Sequence[Any],
                   opts: Any = None) -> Any:
-        inp = _check_tensor(_one(input_tensors, "input tensor"), "input_tensor", reduces=False)
-        outs = _one(output_tensors, "output list")
+        inp = _check_tensor(_one(_listed(input_tensors), "input tensor"), "input_tensor", reduces=False)
+        outs = _one(_nested(output_tensors), "output list")
         checked = [_check_tensor(o, f"output_tensors[{i}]", reduces=False) for i, o in enumerate(outs)]
         w = self.distcomm_group.allgather(checked, inp, async_op=_is_async(opts))
         return self._wrap(w, list(outs))
@@ -213,8 +410,8 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     def gather(self, output_tensors: Sequence[Sequence[Any]], input_tensors: Sequence[Any],
                opts: Any = None) -> Any:
-        inp = _check_tensor(_one(input_tensors, "input tensor"), "input_tensor", reduces=False)
-        root = int(getattr(opts, "rootRank", 0))
+        inp = _check_tensor(_one(_listed(input_tensors), "input tensor"), "input_tensor", reduces=False)
+        root, output_tensors = _root(opts), _nested(output_tensors)
         outs = None
         if self.rank() == root:
             outs = [_check_tensor(o, f"gather_list[{i}]", reduces=False)
@@ -224,20 +421,22 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     def scatter(self, output_tensors: Sequence[Any], input_tensors: Sequence[Sequence[Any]],
                 opts: Any = None) -> Any:
+        output_tensors = _listed(output_tensors)
         out = _check_tensor(_one(output_tensors, "output tensor"), "output_tensor", reduces=False)
-        root = int(getattr(opts, "rootRank", 0))
+        root = _root(opts)
         ins = None
         if self.rank() == root:
             ins = [_check_tensor(t, f"scatter_list[{i}]", reduces=False)
-                   for i, t in enumerate(_one(input_tensors, "input list"))]
+                   for i, t in enumerate(_one(_nested(input_tensors), "input list"))]
         w = self.distcomm_group.scatter(out, ins, root, async_op=_is_async(opts))
         return self._wrap(w, list(output_tensors))
 
     def reduce_scatter(self, output_tensors: Sequence[Any], input_tensors: Sequence[Sequence[Any]],
                        opts: Any = None) -> Any:
+        output_tensors = _listed(output_tensors)
         out = _check_tensor(_one(output_tensors, "output tensor"), "output", reduces=True)
         ins = [_check_tensor(t, f"input_list[{i}]", reduces=True)
-               for i, t in enumerate(_one(input_tensors, "input list"))]
+               for i, t in enumerate(_one(_nested(input_tensors), "input list"))]
         w = self.distcomm_group.reduce_scatter(out, ins, _op(opts), async_op=_is_async(opts))
         return self._wrap(w, list(output_tensors))
 
@@ -295,7 +494,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def recv_anysource(self, tensors: Sequence[Any], tag: int = 0) -> Any:
         t = _check_tensor(_one(tensors, "tensor"), "tensor", reduces=False)
         w = self.distcomm_group.recv(t, None, int(tag))
-        return _AnySourceWork(w, list(tensors))
+        return self._wrap(w, list(tensors))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -306,6 +505,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         try:
             self.distcomm_group.shutdown()
         finally:
+            self._completer.stop()
             if self._on_shutdown is not None:
                 self._on_shutdown()
 
@@ -322,73 +522,21 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         return self._all(works, [])
 
     # -- helpers --------------------------------------------------------------------------------
-    def _wrap(self, work: Work | None, result: list[Any]) -> Any:
-        tw = _to_torch_work(work, result)
-        if self._coalesced is not None:
-            self._coalesced.append(tw)
-        return tw
-
-    def _then(self, work: Work | None, after: Callable[[], None], result: list[Any]) -> Any:
-        """Like :func:`_to_torch_work`, running ``after`` once ``work`` succeeded."""
-        fut: Any = torch.futures.Future()
-
-        def finish(error: BaseException | None) -> None:
-            if error is None:
-                try:
-                    after()
-                except BaseException as e:  # noqa: BLE001 - delivered through the future
-                    error = e
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-
-        if work is None or work.is_completed():
-            finish(None if work is None else work.exception())
-        else:
-            work.get_future().add_done_callback(lambda f: finish(f.exception()))
-        tw = _create_work_from_future(fut)
+    def _wrap(self, work: Work | None, result: list[Any], after: Callable[[], None] | None = None) -> Any:
+        """A torch Work finishing when ``work`` does (after ``after`` ran), whose future holds
+        ``result``."""
+        tw = _TorchWork(work, result, self._completer, after)
         if self._coalesced is not None:
             self._coalesced.append(tw)
         return tw
 
     @staticmethod
     def _all(works: list[Any], result: list[Any]) -> Any:
-        fut: Any = torch.futures.Future()
-        try:
-            for w in works:
+        """A finished torch Work: ``works`` waited for, the first error kept."""
+        error = None
+        for w in works:
+            try:
                 w.wait()
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            fut.set_exception(e)
-        else:
-            fut.set_result(result)
-        return _create_work_from_future(fut)
-
-
-class _AnySourceWork:
-    """torch's Work for ``recv_anysource``: its source is read with ``_source_rank()``."""
-
-    def __init__(self, work: Work, result: list[Any]) -> None:
-        self._work = work
-        self._inner = _to_torch_work(work, result)
-
-    def wait(self, timeout: Any = None) -> bool:
-        return bool(self._inner.wait())
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def is_success(self) -> bool:
-        return self._work.is_success()
-
-    def exception(self) -> BaseException | None:
-        return self._work.exception()
-
-    def _source_rank(self) -> int:
-        return self._work.source_rank()
-
-    source_rank = _source_rank
-
-    def get_future(self) -> Any:
-        return self._inner.get_future()
-
+            except BaseException as e:  # noqa: BLE001 - delivered through the Work
+                error = error or e
+        return _TorchWork(None, result, error=error)
