@@ -274,6 +274,13 @@ def run_lifecycle(scenario: str, tmp_path, n: int = 2, timeout: float = 60) -> t
     return code, out, time.monotonic() - t0
 
 
+def lifecycle_ok(case: str, tmp_path) -> str:
+    """``run_lifecycle`` of a case that must end well: its output."""
+    code, out, _ = run_lifecycle(case, tmp_path, timeout=60)
+    assert code == 0, out[-3000:]
+    return out
+
+
 @needs_mpi
 @pytest.mark.timeout(90)
 def test_an_uncaught_exception_ends_the_job(tmp_path):
@@ -314,8 +321,7 @@ def test_new_group_that_a_member_never_calls_ends_the_job_at_the_group_timeout(t
 @needs_mpi
 @pytest.mark.timeout(90)
 def test_after_mpi_finalize_calls_raise_instead_of_aborting_the_job(tmp_path):
-    code, out, _ = run_lifecycle("finalized", tmp_path, timeout=60)
-    assert code == 0, out[-3000:]
+    out = lifecycle_ok("finalized", tmp_path)
     for rank in range(2):
         for what in ("all_reduce", "barrier", "init"):
             lines = [x for x in out.splitlines() if x.startswith(f"rank {rank}: {what} raised")]
@@ -326,8 +332,7 @@ def test_after_mpi_finalize_calls_raise_instead_of_aborting_the_job(tmp_path):
 @needs_mpi
 @pytest.mark.timeout(90)
 def test_local_rank_and_size_come_from_mpi(tmp_path):
-    code, out, _ = run_lifecycle("local_env", tmp_path, timeout=60)
-    assert code == 0, out[-3000:]
+    out = lifecycle_ok("local_env", tmp_path)
     for rank in range(2):
         assert (f"rank {rank}: LOCAL_RANK={rank} LOCAL_WORLD_SIZE=2 node local rank {rank} "
                 f"new_subgroups size 2") in out, out[-3000:]
