@@ -185,7 +185,7 @@ def test_failed_chaos_run_is_one_line_exit_1_and_leaves_no_temp_dir(capsys, tmp_
     out, err = capsys.readouterr()
     line = one_line(err)
     assert line.startswith("distcomm bench ft: the chaos run failed: examples/chaos.py exited with code 1: "), line
-    assert "min_replicas must be >= 1" in line, line
+    assert "min_replicas must be an int >= 1" in line, line
     assert "Traceback" not in out + err and "{" not in out, out
     assert os.listdir(tmp_path) == []  # chaos.py's distcomm-chaos-* and the report file are gone
 
