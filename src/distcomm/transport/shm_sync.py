@@ -247,19 +247,19 @@ class Control:
         if self._seen_all >= target:
             return
         counters = self.counters
-        if min(counters) < target:  # (a loop in C: usually every rank is there at small sizes)
-            for r in range(self.size):
-                if counters[r] < target:
-                    self._wait(r, target, deadline)
+        if min(counters) >= target:  # (a loop in C: the usual case at small sizes)
+            self._seen_all = target
+            return
+        for r in range(self.size):
+            if counters[r] < target:
+                self.wait(r, target, deadline)
         self._seen_all = target
 
     def wait(self, peer: int, target: int, deadline: Deadline) -> None:
         """Wait until ``peer``'s counter is at least ``target``."""
-        if self.counters[peer] < target:
-            self._wait(peer, target, deadline)
-
-    def _wait(self, peer: int, target: int, deadline: Deadline) -> None:
         counters = self.counters
+        if counters[peer] >= target:
+            return
         clock = time.perf_counter
         now = clock()
         end = now + self.spin_s
