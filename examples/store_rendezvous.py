@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args = parser.parse_args()
+    if args.world_size < 1:
+        parser.error(f"--world-size {args.world_size}: expected a number of processes >= 1")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: expected a TCP port, 0 to 65535 (0: a free one)")
     port = args.port
     if port == 0:
         with socket.socket() as s:

@@ -73,6 +73,19 @@ class MLP:
         return loss, acc
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse settings the training loop cannot run with, in one line each."""
+    for name in ("epochs", "batch", "features", "hidden"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: expected a whole number >= 1")
+    if args.classes < 2:
+        parser.error(f"--classes {args.classes}: expected at least 2 classes")
+    if args.samples < args.batch:
+        parser.error(f"--samples {args.samples}: expected at least one batch per rank (--batch {args.batch})")
+    if not (np.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr {args.lr}: expected a learning rate > 0")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Data-parallel MLP training on distcomm.")
     parser.add_argument("--epochs", type=int, default=5)
@@ -83,6 +96,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.5)
     args = parser.parse_args()
+    check_args(parser, args)
 
     if "RANK" in os.environ:
         dist.init_process_group()  # started by a launcher: everything comes from the environment
@@ -107,18 +121,22 @@ def main() -> None:
                 stats += (loss, acc)
             stats /= batches
             dist.all_reduce(stats, op=dist.ReduceOp.AVG)
+            if not np.isfinite(stats[0]):  # the same average on every rank: all stop together
+                raise SystemExit(f"rank {rank}: training diverged at epoch {epoch + 1} (loss {stats[0]}); "
+                                 f"try a smaller --lr than {args.lr}")
             if rank == 0:
                 print(f"epoch {epoch + 1}/{args.epochs}  loss {stats[0]:.4f}  accuracy {stats[1]:.3f}",
                       flush=True)
         # every rank must hold the same weights: compare with rank 0's, bit for bit
         reference = model.flat.copy()
         dist.broadcast(reference, src=0)
-        same = np.array([np.array_equal(reference, model.flat)], np.int32)
+        same = np.array([np.array_equal(reference.view(np.uint32), model.flat.view(np.uint32))], np.int32)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         if rank == 0:
             took = time.perf_counter() - start
             verdict = "identical on every rank" if same[0] else "DIFFERENT across ranks"
-            print(f"{world} ranks, {args.epochs} epochs in {took:.1f} s; weights {verdict}", flush=True)
+            ranks = f"{world} rank{'s' if world > 1 else ''}"
+            print(f"{ranks}, {args.epochs} epochs in {took:.1f} s; weights {verdict}", flush=True)
         if not same[0]:
             raise SystemExit(1)
     finally:

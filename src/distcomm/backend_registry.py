@@ -55,7 +55,9 @@ class BackendFactory:
         self._world = world
 
     def world(self, store: Any, rank: int, size: int, timeout: float, **options: Any) -> Any:
-        return self._world(store, rank, size, timeout, **options)
+        """The world group: ``func(store, rank, size, timeout)``, torch's signature.  The
+        ``options`` (``world=``, ...) are for the built-in backends, which override this."""
+        return self._world(store, rank, size, timeout)
 
     def subgroup(
         self, world_pg: Any, store: Any, ranks: list[int], group_rank: int, name: str, timeout: float

@@ -1,4 +1,4 @@
-"""The ``distcomm`` command line: ``distcomm store``, ``distcomm info``, ``distcomm bench``.
+"""The ``distcomm`` command line: ``distcomm store | info | bench | trace | run | lighthouse``.
 
 Each subcommand lives in the module that owns its subject and registers
 itself here through :data:`COMMANDS`: a name, a help line, a function adding

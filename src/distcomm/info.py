@@ -198,12 +198,25 @@ def collect() -> dict[str, Any]:
     }
 
 
+#: Prefixes and names of the variables distcomm reads (besides its own ``DISTCOMM_*``): the
+#: rendezvous, the launchers it recognises (torchrun, Open MPI, MPICH's Hydra, MVAPICH, Slurm)
+#: and the torch and gloo settings it honours.
+_ENV_PREFIXES = ("DISTCOMM_", "MASTER_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_")
+_ENV_NAMES = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+    "TORCH_DISTRIBUTED_DEBUG", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+    "PMIX_RANK", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NODELIST",
+    "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE",
+})
+
+
 def _relevant(name: str) -> bool:
-    return name.startswith(("DISTCOMM_", "MASTER_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_",
-                            "PMIX_RANK")) or name in (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
-        "GLOO_SOCKET_IFNAME", "SLURM_PROCID", "SLURM_STEP_ID",
-    )
+    """Whether ``name`` is an environment variable distcomm reads."""
+    return name.startswith(_ENV_PREFIXES) or name in _ENV_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
