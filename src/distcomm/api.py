@@ -398,7 +398,7 @@ def get_backend(group: ProcessGroup | None = None) -> str:
 
 
 def get_backend_config(group: ProcessGroup | None = None) -> str:
-    """``group``'s backend per device, as torch writes it (``"cpu:shm"``): distcomm runs
+    """``group``'s backend per device, as torch writes it (``"cpu:auto"`` for the default backend): distcomm runs
     every group on the CPU."""
     return f"cpu:{get_backend(group)}"
 

@@ -9,6 +9,9 @@ Collectives read from and write into the caller's memory, never a copy.
 - any object with the buffer protocol (bytearray, memoryview, array.array, mmap);
 - any object with ``__dlpack__`` on the CPU;
 
+(ndarray subclasses such as ``np.matrix`` and ``np.memmap`` are viewed as plain arrays;
+masked arrays are refused, since collectives would ignore their masks)
+
 and returns an :class:`ArrayRef`: a 1-D C-contiguous view plus the caller's
 shape and the *logical* dtype name.  bfloat16 is stored as ``ml_dtypes.bfloat16``
 when ml_dtypes is importable and :data:`USE_ML_DTYPES` is true, otherwise as
@@ -177,6 +180,8 @@ def as_array(obj: Any, *, writable: bool, what: str = "tensor") -> ArrayRef:
 def _from_ndarray(
     arr: np.ndarray, obj: Any, writable: bool, what: str, fix: str, name: str | None = None
 ) -> ArrayRef:
+    if type(arr) is not np.ndarray:
+        arr = _plain(arr, what)
     name = name or _NATIVE.get(arr.dtype)  # (by dtype: dtype.str costs 0.5 us)
     if name is None:
         arr, name = _odd_dtype(arr, what)
@@ -194,6 +199,18 @@ def _from_ndarray(
         flat = flat.view()
         flat.flags.writeable = False
     return ArrayRef(flat, arr.shape, name, obj, flat.nbytes, writable, what)
+
+
+def _plain(arr: np.ndarray, what: str) -> np.ndarray:
+    """An ndarray subclass (``np.matrix``, ``np.memmap``...) as a plain ndarray view of its
+    memory: a subclass may change what slicing and ``ravel`` give (a matrix stays 2-D).
+    Masked arrays are refused: collectives would use the masked-out values as they are."""
+    if isinstance(arr, np.ma.MaskedArray):
+        raise DistTypeError(
+            f"{what} is a numpy.ma.MaskedArray; collectives ignore masks and would use the masked "
+            f"values, pass x.filled(value) or, to use the raw values, x.data"
+        )
+    return arr.view(np.ndarray)
 
 
 def _odd_dtype(arr: np.ndarray, what: str) -> tuple[np.ndarray, str]:
@@ -231,7 +248,10 @@ def _from_torch(t: Any, torch: Any, writable: bool, what: str) -> ArrayRef:
         )
     typestr = (_TORCH_TYPESTRS or _torch_typestrs(torch)).get(t.dtype)
     if typestr is None:
-        raise DistTypeError(f"{what} has torch dtype {t.dtype}, which collectives do not support")
+        raise DistTypeError(
+            f"{what} has torch dtype {t.dtype}, which collectives do not support; expected one of "
+            f"{', '.join(DTYPE_NAMES)}"
+        )
     arr = np.asarray(_TensorMemory(t, typestr))
     if t.dtype != torch.bfloat16:
         return _from_ndarray(arr, t, writable, what, "x.contiguous()")

@@ -10,11 +10,16 @@ returned; otherwise the call blocks and returns None.
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from . import api as _api
 from .api import GroupMember, _group
+from .arrays import ArrayRef, as_array, data_address
 from .deadline import Timeout, to_seconds
 from .debug import monitored_barrier as _monitored
 from .errors import DistInputError, DistTypeError
@@ -127,8 +132,79 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
 def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """``all_reduce`` of each of ``tensors`` in turn (torch's deprecated coalesced form);
-    with ``async_op`` the Work of the last, which completes after all of them."""
+    with ``async_op`` the Work of the last, which completes after all of them.
+
+    Tensors that share memory (one tensor twice, overlapping views) are reduced as torch
+    reduces them: packed into one buffer, reduced once, copied back in list order (this
+    waits for the result even with ``async_op``)."""
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 1 and _may_overlap(tensors):
+        if _member(group) is None:
+            return None
+        refs = [as_array(t, writable=True, what=f"tensors[{i}]") for i, t in enumerate(tensors)]
+        if _overlap(refs):
+            return _all_reduce_packed(refs, op, group, async_op)
     return _each(tensors, "tensors", lambda t, a: all_reduce(t, op, group, a), async_op)
+
+
+def _may_overlap(tensors: Sequence[Any]) -> bool:
+    """Whether two of ``tensors`` might share memory: one object twice, or any that is a view
+    (an array that owns its memory shares it only with views of it)."""
+    if len({id(t) for t in tensors}) < len(tensors):
+        return True
+    for t in tensors:
+        if isinstance(t, np.ndarray):
+            if t.base is not None:
+                return True
+        elif not _owns_memory(t):
+            return True
+    return False
+
+
+def _owns_memory(t: Any) -> bool:
+    """A torch tensor that is not a view, or a bytearray / array.array (False when unsure)."""
+    if isinstance(t, (bytearray, array.array)):
+        return True
+    torch = sys.modules.get("torch") if type(t).__module__.startswith("torch") else None
+    return torch is not None and isinstance(t, torch.Tensor) and not t._is_view()
+
+
+def _overlap(refs: list[ArrayRef]) -> bool:
+    """Whether any two of the arrays share a byte."""
+    spans = sorted((data_address(r.array), r.nbytes) for r in refs if r.nbytes)
+    return any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))
+
+
+def _all_reduce_packed(refs: list[ArrayRef], op: ReduceOp, group: ProcessGroup | None,
+                       async_op: bool) -> Work | None:
+    """``all_reduce`` of ``refs`` (some sharing memory) packed into one buffer, as torch does."""
+    if len({r.dtype for r in refs}) > 1:
+        raise DistInputError(
+            "all_reduce_coalesced: tensors share memory, so they are reduced as one buffer, which "
+            f"needs one dtype; got {', '.join(sorted({r.dtype for r in refs}))}"
+        )
+    buf = np.concatenate([r.array for r in refs])
+    work = all_reduce(_as_reduced(buf, refs[0].dtype), op, group, async_op=True)
+    if work is None:
+        return None
+    work.wait()
+    pos = 0
+    for r in refs:  # in list order: a later tensor's copy wins where they overlap
+        r.array[...] = buf[pos : pos + r.numel]
+        pos += r.numel
+    return work if async_op else None
+
+
+def _as_reduced(buf: np.ndarray, dtype_name: str) -> Any:
+    """``buf`` as ``all_reduce`` must see it: bfloat16 held as uint16 bits (no ml_dtypes, see
+    :mod:`distcomm.arrays`) as a torch bfloat16 tensor of the same memory."""
+    if dtype_name != "bfloat16" or buf.dtype != np.uint16:
+        return buf
+    torch = sys.modules.get("torch")
+    if torch is None:
+        raise DistTypeError(
+            "all_reduce_coalesced of bfloat16 arrays sharing memory needs ml_dtypes or torch"
+        )
+    return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
 
 
 def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list: list[Any],

@@ -9,7 +9,7 @@ allow.  These forms copy what they must and return fresh arrays::
     total = F.all_reduce(x)                     # new array, x unchanged
     rows = F.all_gather_tensor(x, gather_dim=0)
 
-Inputs may be NumPy arrays (read-only ones too), NumPy scalars, CPU torch
+Inputs may be NumPy arrays (read-only, strided or big-endian ones too), NumPy scalars, CPU torch
 tensors, buffers (``memoryview``, ``bytearray``), JAX arrays and any other
 array-API object on the CPU (read through DLPack without a copy where the
 library allows, else through ``__array__``).  Python lists, tuples and
@@ -198,7 +198,9 @@ def _input(x: Any, what: str = "x") -> _Input:
         elif hasattr(type(x), "__array__"):
             x = np.asarray(x)
     if isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
+        if not x.dtype.isnative and x.dtype.kind in "biufc":  # (a copy in this machine's order)
+            x = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("="))
+        elif not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
         ref = as_array(x, writable=False, what=what)
         return _Input(ref, False, x.dtype, xp)

@@ -179,6 +179,14 @@ def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     )
 
 
+def clobbers_input(out: np.ndarray, inp: np.ndarray, mine: np.ndarray) -> bool:
+    """Whether writing ``out`` may change ``inp`` beyond ``mine`` (this rank's block of it):
+    ``out`` is a view of another part of the input, which peers still need.  (An ``out`` that
+    owns its memory, ``base`` None, holds no other array of ``inp``'s size or more: no
+    overlap test for it.)"""
+    return out.base is not None and np.may_share_memory(out, inp) and not same_memory(out, mine)
+
+
 def send_all(
     ch: Channel, peer: int, seq: int, base: int, arr: np.ndarray, parts: list[tuple[int, int]],
     eager_first: int = 0,

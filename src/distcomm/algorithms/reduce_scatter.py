@@ -17,6 +17,7 @@ from ._common import (
     Scratch,
     check_array,
     check_counts,
+    clobbers_input,
     drive,
     eager,
     eager_count,
@@ -84,7 +85,8 @@ def direct_reduce_scatter(
     scratch: Scratch,
 ) -> None:
     """``out`` = block r of the reduction of every rank's ``inp`` (left unchanged;
-    ``out`` may be block r of ``inp`` itself).
+    ``out`` may be block r of ``inp`` itself, or any other view of it: then the result
+    goes through a buffer of its own and into ``out`` once every block was sent).
 
     Every rank sends block j straight to rank j (segmented, each pair one
     stream) and folds the n-1 blocks it receives into ``out``: one round, each
@@ -100,6 +102,12 @@ def direct_reduce_scatter(
             f"output must hold {counts[r]} elements of {inp.dtype}, got {out.size} of {out.dtype}"
         )
     mine = inp[off[r] : off[r + 1]]
+    if clobbers_input(out, inp, mine):
+        result = np.empty_like(out)
+        direct_reduce_scatter(ch, inp, result, combine, seq, deadline, counts=counts,
+                              scratch=scratch)
+        copy_into(out, result)
+        return
     if not same_memory(out, mine):
         copy_into(out, mine)
     if n == 1:

@@ -86,7 +86,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..algorithms._common import offsets, split_hashes, split_weights, splits_agree
+from ..algorithms._common import clobbers_input, offsets, split_hashes, split_weights, splits_agree
 from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistDesyncError
@@ -795,10 +795,16 @@ class ShmCollectives:
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Combine, seq: int,
                        deadline: Deadline) -> None:
-        """``out`` = block r of the reduction of every rank's ``inp`` (n even blocks)."""
+        """``out`` = block r of the reduction of every rank's ``inp`` (n even blocks); ``out``
+        may be a view of ``inp`` (another block of it: through a buffer of its own)."""
         out, inp = _flat(out), _flat(inp)
         n, me = self.size, self.rank
         m = out.size
+        if clobbers_input(out, inp, inp[me * m : (me + 1) * m]):
+            result = np.empty_like(out)  # (peers read inp until the call ends)
+            self.reduce_scatter(result, inp, combine, seq, deadline)
+            copy_into(out, result)
+            return
         copy_into(out, inp[me * m : (me + 1) * m])
         if n == 1 or m == 0:
             return
