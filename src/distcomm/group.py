@@ -14,6 +14,7 @@ anything is issued and leave the group usable.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import deque
@@ -80,12 +81,39 @@ class _Serial:
                     self._mu.wait()
                 if not self._queue:
                     return  # stopped
-            with self._busy:
-                with self._mu:
-                    if not self._queue:
-                        continue  # stop() failed it meanwhile
-                    job, _ = self._queue.popleft()
-                job()
+            self._run_next()
+
+    def _run_next(self) -> bool:
+        """Run the next queued job; False if the queue was empty.
+
+        A job may return a callable, its Work's completion: it runs after ``_busy`` is
+        released, so the Work's callbacks (``get_future().then(...)``) may issue and wait
+        for collectives of this group (see :meth:`help_until`)."""
+        with self._busy:
+            with self._mu:
+                if not self._queue:
+                    return False  # stop() failed it meanwhile
+                job, _ = self._queue.popleft()
+            complete = job()
+        if complete is not None:
+            complete()
+        return True
+
+    def on_worker(self) -> bool:
+        """Whether the caller is this executor's worker thread (in a Work's callback)."""
+        return self._thread is threading.current_thread()
+
+    def help_until(self, done: Any, seconds: float | None) -> bool:
+        """In the worker thread, wait for ``done`` (a Work's flag) by running the queued jobs
+        in order: a callback of a Work this thread completed waits for a later operation of
+        the group, which only this thread would run.  True once ``done`` is set."""
+        deadline = None if seconds is None else Deadline(seconds)
+        while not done.is_set():
+            if deadline is not None and deadline.expired():
+                return False
+            if not self._run_next():
+                return done.wait(None if deadline is None else deadline.remaining())
+        return True
 
     def stop(self, error: BaseException, timeout: float = 10.0) -> None:
         """Fail what is queued, stop the thread, join it."""
@@ -192,11 +220,15 @@ class ProcessGroup:
         destroyed = DistBackendError(f"process group {self.group_name!r} was destroyed")
         self._cancel_pending(destroyed)  # an operation in flight ends now, not at its deadline
         self._serial.stop(destroyed)
+        self._stop_helpers(destroyed)
         self._release()
 
     # -- for subclasses ----------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
         """Fail this process's pending requests of the group, peers untold (subclasses)."""
+
+    def _stop_helpers(self, cause: BaseException) -> None:
+        """Stop the group's helper threads other than its executor (subclasses)."""
 
     def _abort_transport(self, cause: BaseException) -> None:
         """Make peers and pending requests give up (subclasses with a transport)."""
@@ -228,10 +260,12 @@ class ProcessGroup:
         if not async_op and self._serial.enter_inline():
             return self._run_claimed(op, seq, info, run, seconds, result)
         work = Work(op, self.group_name, seq, self._describe_peers)
+        work._serial = self._serial  # a wait in the worker thread runs the queue (help_until)
         ring = _rec.ring
         entry = None if ring is None else _rec.entry(self.group_name, seq, op, info, _rec.SCHEDULED)
 
-        def job() -> None:
+        def job() -> Callable[[], None]:
+            """Run the operation; return its Work's completion (run once the executor is free)."""
             if entry is not None:
                 entry[_rec.F_STARTED] = _rec.now()
                 entry[_rec.F_STATE] = _rec.STARTED
@@ -241,18 +275,16 @@ class ProcessGroup:
                 except DistError as e:
                     if entry is not None:
                         _rec.finish(entry, e)
-                    work._finish(error=e)
-                return
+                    return functools.partial(work._finish, error=e)
             try:
                 out = run(seq, Deadline(seconds))
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
                 if entry is not None:
                     _rec.finish(entry, e)
-                work._finish(error=self._failed(op, seq, e))
-                return
+                return functools.partial(work._finish, error=self._failed(op, seq, e))
             if entry is not None:
                 _rec.finish(entry)
-            work._finish(result if result is not None else out)
+            return functools.partial(work._finish, result if result is not None else out)
 
         self._serial.submit(job, work)
         if not async_op:

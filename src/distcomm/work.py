@@ -55,6 +55,10 @@ class DistFuture(Future):
 class Work:
     """One collective or point-to-point operation in flight."""
 
+    #: The group's executor when the operation is queued on it: a wait in its worker
+    #: thread (a callback of an earlier Work) runs the queue instead of blocking on itself.
+    _serial: Any = None
+
     def __init__(self, op: str, group: str, seq: int | None, peers: Callable[[], str]) -> None:
         self.op = op
         self.group = group
@@ -82,7 +86,12 @@ class Work:
     def wait(self, timeout: Timeout | None = None) -> bool:
         """Block until done; raise the operation's error.  Returns True (as torch)."""
         seconds = None if timeout is None else to_seconds(timeout)
-        if not self._done.wait(seconds):
+        serial = self._serial
+        if serial is not None and not self._done.is_set() and serial.on_worker():
+            done = serial.help_until(self._done, seconds)
+        else:
+            done = self._done.wait(seconds)
+        if not done:
             where = f" (seq {self.seq})" if self.seq is not None else ""
             raise DistTimeoutError(
                 f"{self.op}{where} on group {self.group!r} did not finish within {seconds:g} s; "
@@ -138,11 +147,15 @@ class Work:
         the error)."""
         with self._lock:
             if self._future is None:
-                self._future = DistFuture()
+                self._future = self._new_future()
                 self._future.set_running_or_notify_cancel()
                 if self._done.is_set():
                     _resolve(self._future, self._result, self._error)
             return self._future
+
+    def _new_future(self) -> DistFuture:
+        """The future :meth:`get_future` hands out (subclasses may drive it)."""
+        return DistFuture()
 
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"

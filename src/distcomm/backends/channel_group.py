@@ -21,12 +21,12 @@ from .. import algorithms as algo
 from ..arrays import ArrayRef, as_array, data_address, native_dtype_name
 from ..deadline import Deadline, to_seconds
 from ..debug import recorder as _rec
-from ..errors import DistInputError, DistTimeoutError, DistTypeError
+from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup, describe_rank
 from ..memcopy import copy_into
 from ..reduce_op import FINALIZED, finalize, mark_of, op_combiner
 from ..transport.base import COLLECTIVE_CODES, MAX_P2P_TAG, Channel, Request, coded_seq, p2p_tag
-from ..work import Work
+from ..work import DistFuture, Work
 
 __all__ = ["ChannelProcessGroup"]
 
@@ -131,6 +131,7 @@ class ChannelProcessGroup(ProcessGroup):
         self.channel = channel
         self._staging = _Staging()
         self.algorithms = algorithms or ChannelAlgorithms(channel, self._staging)
+        self._futures = _FutureDriver(group_name)
 
     # -- lifecycle hooks ----------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
@@ -138,6 +139,15 @@ class ChannelProcessGroup(ProcessGroup):
 
     def _abort_transport(self, cause: BaseException) -> None:
         self.channel.abort(cause)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        # the collectives may hold views of shared memory (a hierarchical group's machine part
+        # too): a destroyed group that is still referenced must not keep its segments mapped
+        self.algorithms = None
+
+    def _stop_helpers(self, cause: BaseException) -> None:
+        self._futures.stop(cause)
 
     def _release(self) -> None:
         self.channel.close()
@@ -553,17 +563,137 @@ class _RequestWork(Work):
             self.wait()
         return self._done.is_set()
 
-    def get_future(self):
+    def _new_future(self) -> DistFuture:
+        return _RequestFuture(self)
+
+    def get_future(self) -> DistFuture:
+        """A future resolved when the request completes, whoever waits: the group's one
+        future thread (:class:`_FutureDriver`) drives it when nobody does."""
+        with self._lock:
+            fresh = self._future is None
         fut = super().get_future()
-        if not self._done.is_set():
-            threading.Thread(target=self._resolve, daemon=True).start()
+        if fresh and not self._done.is_set():
+            self._deadline = Deadline(self._pg.timeout)
+            if not self._pg._futures.add(self):
+                self._finish(error=DistBackendError(f"process group {self.group!r} was destroyed"))
         return fut
 
-    def _resolve(self) -> None:
+    def _drive(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the request (the future thread; the group timeout
+        counts from ``get_future``).  False if another thread is waiting for it already."""
+        if self._done.is_set():
+            return True
+        if not self._waiting.acquire(False):
+            return False
         try:
-            self.wait()
-        except BaseException:  # noqa: BLE001 - delivered through the future
-            pass
+            if not self._done.is_set():
+                left = self._deadline.remaining()
+                if left <= seconds:
+                    self._wait_request(left, user_timeout=False)
+                else:
+                    try:
+                        self._wait_request(seconds, user_timeout=True)
+                    except DistTimeoutError:
+                        pass  # not yet: the driver comes back to it
+        finally:
+            self._waiting.release()
+        return True
+
+
+class _RequestFuture(DistFuture):
+    """The future of a point-to-point Work: ``result()`` (and torch's ``wait()``) wait for
+    the request in the caller's thread, as ``Work.wait`` does."""
+
+    def __init__(self, work: _RequestWork) -> None:
+        super().__init__()
+        self._work = work
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:
+                self._work.wait(timeout)
+            except BaseException:  # noqa: BLE001 - the future holds the error (or is not done)
+                pass
+            if timeout is not None:
+                timeout = 0
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            try:
+                self.result(timeout)
+            except BaseException:  # noqa: BLE001 - returned below
+                pass
+            if timeout is not None:
+                timeout = 0
+        return super().exception(timeout)
+
+
+class _FutureDriver:
+    """Resolves the futures of a group's point-to-point Works that nobody waits for.
+
+    One thread per group, started on first need: it waits for the oldest pending request
+    for a slice of time (returning as soon as it completes) and checks the others between
+    slices; slices grow from 1 to 50 ms while nothing completes.  A thread per future
+    would cost a thread for each request in flight (and each its own wait loop).
+    """
+
+    SLICE_MIN = 0.001
+    SLICE_MAX = 0.05
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cv = threading.Condition(threading.Lock())
+        self._pending: list[_RequestWork] = []
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, work: _RequestWork) -> bool:
+        """Drive ``work`` until it completes; False once the group was destroyed."""
+        with self._cv:
+            if self._stopped:
+                return False
+            self._pending.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"distcomm-p2p-futures:{self._name}", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+        return True
+
+    def _loop(self) -> None:
+        slice_s = self.SLICE_MIN
+        while True:
+            with self._cv:
+                self._pending = [w for w in self._pending if not w._done.is_set()]
+                while not self._stopped and not self._pending:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                works = list(self._pending)
+            waited = works[0]._drive(slice_s)
+            progressed = works[0]._done.is_set()
+            for w in works[1:]:
+                if w._req.done():
+                    w._drive(0.0)
+                    progressed = True
+            if not waited and not progressed:
+                with self._cv:  # someone else waits for the oldest: do not spin meanwhile
+                    self._cv.wait(slice_s)
+            slice_s = self.SLICE_MIN if progressed else min(2 * slice_s, self.SLICE_MAX)
+
+    def stop(self, cause: BaseException) -> None:
+        """Stop the thread; Works still pending get their request's error, or ``cause``."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+            thread, pending, self._pending = self._thread, self._pending, []
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)
+        for w in pending:
+            if not w._done.is_set():
+                w._finish(error=getattr(w._req, "error", None) or cause)
 
 
 def _check_own_block(send_counts: list[int], recv_counts: list[int], rank: int, op: str) -> None:

@@ -22,12 +22,14 @@ ranks mapped all of them.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import time
 
 from ..errors import DistBackendError
+from ..fdlimit import fd_limits
 
 __all__ = ["Segment", "SHM_DIR", "host_key", "open_each", "open_shared", "reclaim_leftovers"]
 
@@ -51,7 +53,10 @@ class Segment:
         self.owner = owner
         self.fd = -1
         try:
-            self._map = mmap.mmap(fd, size) if size else None
+            self._map = mmap.mmap(fd, size) if size else None  # (holds a duplicate of fd)
+        except OSError as e:
+            os.close(fd)
+            raise _os_error(e, f"map shared-memory segment {name!r}") from None
         except BaseException:
             os.close(fd)
             raise
@@ -90,6 +95,8 @@ class Segment:
                 f"shared-memory segment {path} already exists and is not this process's; "
                 "refusing to overwrite it"
             ) from None
+        except OSError as e:
+            raise _os_error(e, f"create shared-memory segment {path}") from None
         try:
             os.ftruncate(fd, size)
             if size and not sparse:
@@ -137,6 +144,8 @@ class Segment:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise DistBackendError(f"shared-memory segment {path} is gone (its owner exited?)") from None
+        except OSError as e:
+            raise _os_error(e, f"open shared-memory segment {path}") from None
         actual = os.fstat(fd).st_size
         if actual != size:
             os.close(fd)
@@ -168,6 +177,19 @@ class Segment:
                 self._map.close()
             except BufferError:
                 pass  # a NumPy view still uses it; unmapped when that view dies
+
+
+def _os_error(e: OSError, what: str) -> DistBackendError:
+    """``e`` as a one-line error; running out of file descriptors says how to get more."""
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        soft, _ = fd_limits()
+        scope = "the system" if e.errno == errno.ENFILE else f"this process (RLIMIT_NOFILE {soft})"
+        return DistBackendError(
+            f"cannot {what}: too many open files for {scope}; each shared-memory group keeps "
+            "two open: destroy the groups you no longer use (destroy_process_group(group)) "
+            "or raise the limit (ulimit -n)"
+        )
+    return DistBackendError(f"cannot {what}: {e.strerror or e}")
 
 
 def free_bytes() -> int:
@@ -211,6 +233,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+#: What rank 0 publishes instead of a segment name when it could not make the segment.
+_FAILED = "!failed: "
+
+
 def open_shared(store, rank: int, size: int, label: str, nbytes: int, timeout: float) -> Segment:
     """One segment shared by the ``size`` ranks that use ``store`` (a prefixed store
     of their own): rank 0 creates it, the others attach, and once all have it
@@ -222,7 +248,14 @@ def open_shared(store, rank: int, size: int, label: str, nbytes: int, timeout: f
     key = f"shm/{label}"
     wait = timedelta(seconds=timeout)
     if rank == 0:
-        seg = Segment.create(label, nbytes, os.urandom(6).hex())
+        try:
+            seg = Segment.create(label, nbytes, os.urandom(6).hex())
+        except DistBackendError as e:
+            try:
+                store.set(key, f"{_FAILED}{e}")  # the others fail now, not at their timeout
+            except Exception:  # noqa: BLE001 - the segment's error is the one to raise
+                pass
+            raise
         try:
             store.set(key, seg.name)
             marks = [f"{key}/attached/{n}" for n in range(1, size)]
@@ -237,7 +270,11 @@ def open_shared(store, rank: int, size: int, label: str, nbytes: int, timeout: f
         seg.unlink()
         return seg
     store.wait([key], wait)
-    seg = Segment.attach(store.get(key).decode(), nbytes)
+    name = store.get(key).decode()
+    if name.startswith(_FAILED):
+        raise DistBackendError(f"rank 0 of the group could not make its shared-memory segment: "
+                               f"{name[len(_FAILED):]}")
+    seg = Segment.attach(name, nbytes)
     try:
         n = store.add(f"{key}/attached", 1)
         store.set(f"{key}/attached/{n}", b"")

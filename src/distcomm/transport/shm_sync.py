@@ -25,6 +25,7 @@ import os
 import platform
 import select
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -107,6 +108,56 @@ def wait_budget(local_ranks: int) -> tuple[float, float]:
     return spin, YIELD_S
 
 
+def _exited(fd: int) -> bool:
+    """Whether the process of pidfd ``fd`` exited (its pidfd is readable)."""
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+class _PidFds:
+    """pidfds shared by every watch in this process: one per peer process, however many
+    groups watch it (a pidfd per group and peer would cost hundreds of descriptors for a
+    job's many subgroups).  Counted: the last watch to let go closes it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_pid: dict[int, int] = {}
+        self._refs: dict[int, int] = {}  # fd -> watches holding it
+
+    def acquire(self, pid: int) -> int | None:
+        """A pidfd of process ``pid`` (shared), or None if the kernel gives none."""
+        with self._lock:
+            fd = self._by_pid.get(pid)
+            if fd is not None and not _exited(fd):  # (an exited one: the pid may be reused)
+                self._refs[fd] += 1
+                return fd
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                return None
+            self._by_pid[pid] = fd
+            self._refs[fd] = 1
+            return fd
+
+    def release(self, pid: int, fd: int) -> None:
+        """Let go of ``fd`` (from :meth:`acquire` for ``pid``)."""
+        with self._lock:
+            left = self._refs.pop(fd) - 1
+            if left:
+                self._refs[fd] = left
+                return
+            if self._by_pid.get(pid) == fd:
+                del self._by_pid[pid]
+        os.close(fd)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+
+
+_pidfds = _PidFds()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pidfds._after_fork)
+
+
 class _PeerWatch:
     """Whether peers' processes are alive: pidfds where the kernel has them."""
 
@@ -114,15 +165,14 @@ class _PeerWatch:
         self._pids = pids
         self._fds: dict[int, int] = {}
         for rank, pid in pids.items():
-            try:
-                self._fds[rank] = os.pidfd_open(pid)
-            except (AttributeError, OSError):
-                pass
+            fd = _pidfds.acquire(pid)
+            if fd is not None:
+                self._fds[rank] = fd
 
     def dead(self, rank: int) -> bool:
         fd = self._fds.get(rank)
         if fd is not None:
-            return bool(select.select([fd], [], [], 0)[0])
+            return _exited(fd)
         pid = self._pids.get(rank)
         if pid is None:
             return False
@@ -136,8 +186,8 @@ class _PeerWatch:
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        for rank, fd in fds.items():
+            _pidfds.release(self._pids[rank], fd)
 
 
 class Control:

@@ -1,0 +1,100 @@
+"""Futures and callbacks under concurrency: a callback that issues or waits for a later
+collective of its own group, and the futures of many point-to-point operations in flight."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from collective_cases import init, run_world
+
+import distcomm as dist
+from distcomm.errors import DistBackendError
+
+
+def _callbacks_issue_collectives(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """A future's callback runs on the group's worker thread: a blocking collective or a
+    wait for a later Work of the same group there must run, not wait on that thread itself."""
+    init(rank, world_size, backend, port, timeout=20)
+    bad = []
+
+    def issue(_: dist.DistFuture) -> np.ndarray:
+        y = np.full(3, 2.0)
+        dist.all_reduce(y)
+        return y
+
+    # nothing queued behind the Work whose callback issues the collective
+    fut = dist.all_reduce(np.ones(3), async_op=True).get_future().then(issue)
+    got = fut.result(timeout=10)
+    if not (got == 2.0 * world_size).all():
+        bad.append(f"callback's all_reduce (idle group) gave {got}")
+    # a Work queued behind it: the callback's collective runs after it, in issue order
+    first = dist.all_reduce(np.ones(3), async_op=True)
+    later_x = np.ones(3)
+    later = dist.all_reduce(later_x, async_op=True)
+    fut = first.get_future().then(issue)
+    got = fut.result(timeout=10)
+    if not (got == 2.0 * world_size).all() or not later.is_completed():
+        bad.append(
+            f"callback's all_reduce (queue busy) gave {got}, later done {later.is_completed()}"
+        )
+    # a callback that waits for the later Work
+    first = dist.all_reduce(np.ones(3), async_op=True)
+    later_x = np.ones(3)
+    later = dist.all_reduce(later_x, async_op=True)
+    fut = first.get_future().then(lambda _: later.wait() and later_x.copy())
+    got = fut.result(timeout=10)
+    if not (got == world_size).all():
+        bad.append(f"callback waiting for the later Work gave {got}")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_callback_may_issue_and_wait_for_collectives_of_its_group(backend):
+    for bad in run_world(_callbacks_issue_collectives, 2, backend, timeout=45):
+        assert not bad, bad
+
+
+PENDING = 40
+
+
+def _many_p2p_futures(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """Futures of many receives in flight take no thread each; each resolves with its own
+    message, chained callbacks included; destroying the group fails the ones left."""
+    init(rank, world_size, backend, port, timeout=20)
+    bad = []
+    peer = 1 - rank
+    if rank == 0:
+        threads = threading.active_count()
+        bufs = [np.zeros(2) for _ in range(PENDING)]
+        futs = [dist.irecv(bufs[i], peer, tag=100 + i).get_future() for i in range(PENDING)]
+        chained = [f.then(lambda f: float(f.value()[0]) + 1) for f in futs]
+        extra = threading.active_count() - threads
+        if extra > 1:
+            bad.append(f"{PENDING} receive futures in flight started {extra} threads")
+        dist.send(np.ones(1), peer, tag=1)  # go
+        values = [c.result(timeout=10) for c in chained]
+        if values != [i + 1.0 for i in range(PENDING)]:
+            bad.append(f"chained values {values}")
+        lonely = dist.irecv(np.zeros(1), peer, tag=999).get_future()  # never sent
+        dist.recv(np.zeros(1), peer, tag=2)
+        dist.destroy_process_group()
+        if not isinstance(lonely.exception(timeout=10), DistBackendError):
+            bad.append(f"a pending future after destroy: {lonely.exception(timeout=0)!r}")
+    else:
+        dist.recv(np.zeros(1), peer, tag=1)
+        for i in reversed(range(PENDING)):  # the newest first: the driver must not wait in order
+            dist.send(np.full(2, float(i)), peer, tag=100 + i)
+        dist.send(np.ones(1), peer, tag=2)
+        dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_point_to_point_futures_share_one_thread(backend):
+    for bad in run_world(_many_p2p_futures, 2, backend, timeout=45):
+        assert not bad, bad
