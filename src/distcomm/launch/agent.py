@@ -32,7 +32,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..deadline import Deadline
-from ..errors import DistConnectTimeoutError, DistError, DistNetworkError, DistProtocolError
+from ..errors import (
+    DistConnectTimeoutError,
+    DistError,
+    DistNetworkError,
+    DistProtocolError,
+    DistStoreTimeoutError,
+)
 from ..store import TCPStore, auth
 from ..transport.tcp_wire import HOST_VAR
 from .args import RunConfig
@@ -55,6 +61,9 @@ NOTICE_GRACE = 0.5
 LOCAL_STORE_ANSWER = 5.0
 #: Timeout of store calls while workers run (they never wait for keys).
 STORE_OP_TIMEOUT = 5.0
+#: A store that stops answering (a network that drops packets: no refusal, no reset) is
+#: retried; the launcher goes on without it only after this many seconds of silence.
+STORE_SILENCE_GIVE_UP = 60.0
 
 T = TypeVar("T")
 
@@ -101,6 +110,7 @@ class Agent:
         self.signum: int | None = None
         self.raise_on_signal = True
         self.store_lost = False
+        self.store_silent_since: float | None = None  # when store calls began to get no answer
         self.hosting = False  # this launcher runs the job's store server
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = socket.socketpair()
@@ -203,13 +213,17 @@ class Agent:
             self.store = TCPStore(cfg.store_host, cfg.store_port, None, False,
                                   LOCAL_STORE_ANSWER if local else timeout, auth_token=self.auth_token)
             self.store.set_timeout(timeout)
+        except auth.DistAuthenticationError as e:  # a distcomm store, with another token
+            raise LaunchError(f"cannot join the job's store: {e}") from None
         except DistProtocolError:
             raise LaunchError(f"{addr} is in use by something that is not a distcomm store") from None
         except DistConnectTimeoutError as e:
             if local:
                 raise LaunchError(f"{addr} is in use by something that is not a distcomm store "
                                   "(it does not answer)") from None
-            raise LaunchError(f"cannot reach the job's store at {addr}: {_reason(e)}") from None
+            raise LaunchError(
+                f"cannot reach the job's store at {addr} within {timeout:g} s ({_reason(e)}): "
+                "check --master-addr (or --rdzv-endpoint) and that the launcher hosting it started") from None
         except DistError as e:
             raise LaunchError(f"cannot reach the job's store at {addr}: {_reason(e)}") from None
 
@@ -402,20 +416,43 @@ class Agent:
                          f"{', '.join(map(str, lost))} failed before (--on-worker-failure continue)")
                 return self._succeeded(m)
             if multi and not self.store_lost and time.monotonic() >= next_check:
-                next_check = time.monotonic() + cfg.monitor_interval
                 outcome = self._check_round(m)
                 if outcome != "":
                     return outcome
+                # While the store is silent each call blocks: leave time for the workers' output.
+                pause = cfg.monitor_interval if self.store_silent_since is None else STORE_OP_TIMEOUT
+                next_check = time.monotonic() + pause
 
     def _store(self, fn: Callable[[NodeRendezvous], T], default: T) -> T:
-        """``fn(rendezvous)``, or ``default`` once the store failed (its host left)."""
+        """``fn(rendezvous)``, or ``default`` if the store failed: for good once its host left
+        (it refuses or drops our connection), for this call only while it merely does not
+        answer (a network outage may end), until :data:`STORE_SILENCE_GIVE_UP`."""
         if self.store_lost or self.rdzv is None:
             return default
         try:
-            return fn(self.rdzv)
+            out = fn(self.rdzv)
+        except (DistStoreTimeoutError, DistConnectTimeoutError) as e:
+            self._store_silent(e)
+            return default
         except DistError:
             self.store_lost = True
             return default
+        if self.store_silent_since is not None:
+            self.store_silent_since = None
+            _say("the job's store answers again")
+        return out
+
+    def _store_silent(self, e: DistError) -> None:
+        """A store call got no answer: say so once; give the store up after a long silence."""
+        now = time.monotonic()
+        if self.store_silent_since is None:
+            self.store_silent_since = now
+            _say(f"the job's store does not answer ({e}); retrying for up to "
+                 f"{STORE_SILENCE_GIVE_UP:g} s")
+        elif now - self.store_silent_since >= STORE_SILENCE_GIVE_UP:
+            self.store_lost = True
+            _say(f"the job's store did not answer for {STORE_SILENCE_GIVE_UP:g} s; "
+                 "going on without it")
 
     def _round_changed(self, m: Membership) -> int | None | str:
         """"" while round ``m`` goes on; None (rejoin) when another node restarted or
@@ -502,14 +539,24 @@ class Agent:
             time.sleep(min(self.cfg.monitor_interval, 0.1))
 
     def _succeeded(self, m: Membership) -> int:
-        if m.nnodes == 1 or self._store(lambda r: r.mark_done(m.round), None) is None:
+        if m.nnodes == 1:
             return 0
+
+        def mark(r: NodeRendezvous) -> bool:
+            r.mark_done(m.round, m.group_rank)
+            return True
+
+        # Tell the store's host, through a network outage if need be (until the store is lost).
+        while not self._store(mark, False):
+            if self.store_lost or self.signum is not None:
+                return 0 if self.signum is None else 128 + self.signum
+            time.sleep(self.cfg.monitor_interval)
         if not self.hosting:
             return 0
         # The store's host stays until every node is done (their workers may still use it).
         deadline = Deadline(EXIT_BARRIER_TIMEOUT)
         while not deadline.expired() and self.signum is None and not self.store_lost:
-            if self._store(lambda r: r.done(m.round), 0) >= m.nnodes:
+            if self._store(lambda r: r.all_done(m.round, m.nnodes), False):
                 return 0
             outcome = self._round_changed(m)
             if outcome != "":
@@ -519,5 +566,9 @@ class Agent:
 
 
 def _reason(e: BaseException) -> str:
+    """The low-level cause of ``e`` in a few words (its OSError's text, if it has one)."""
+    cause = e.__cause__
+    if isinstance(cause, OSError):
+        return cause.strerror or str(cause) or type(cause).__name__
     text = str(e)
     return text.rsplit(": ", 1)[-1] if ": " in text else text

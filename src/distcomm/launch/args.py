@@ -80,10 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             names.append("--" + name.replace("-", "_"))
         p.add_argument(*names, **kw)
 
-    flag("nproc-per-node", default="1", metavar="N", help="workers on this node: N, or auto (CPUs)")
-    flag("nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes, or a range (elastic)")
+    flag("nproc-per-node", default="1", metavar="N", help="workers on this node: N, or auto (CPUs) (default 1)")
+    flag("nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes, or a range (elastic) (default 1)")
     flag("node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
-    flag("master-addr", default="127.0.0.1", help="host of node 0 (static rendezvous)")
+    flag("master-addr", default="127.0.0.1", help="host of node 0 (static rendezvous; default 127.0.0.1)")
     flag("master-port", type=int, default=None,
          help=f"port of the job's store on node 0 (default {DEFAULT_MASTER_PORT}; "
          "one node: a free port)")
@@ -95,12 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("rdzv-conf", default="", metavar="K=V,...",
          help=f"join_timeout (default {DEFAULT_JOIN_TIMEOUT:g}), "
          f"last_call_timeout (default {DEFAULT_LAST_CALL:g})")
-    flag("max-restarts", type=int, default=0, help="restarts of the worker group before failing")
+    flag("max-restarts", type=int, default=0, help="restarts of the worker group before failing (default 0)")
     flag("on-worker-failure", torchrun=False, choices=("stop", "continue"), default="stop",
          help="stop (default): a failed worker stops the others (restarted if --max-restarts "
          "allows); continue: the others go on (for programs that shrink_group around it), "
          "and the launcher exits 0 if they all finish with 0")
-    flag("monitor-interval", type=float, default=0.1, help="seconds between health checks")
+    flag("monitor-interval", type=float, default=0.1, help="seconds between health checks (default 0.1)")
     flag("shutdown-timeout", type=float, default=None,
          help=f"seconds between SIGTERM and SIGKILL when stopping workers (default: "
          f"${SHUTDOWN_TIMEOUT_VAR}, else 30)")

@@ -119,12 +119,14 @@ class NodeRendezvous:
         return how many did."""
         return self.store.add(self._k(rnd, "abort_seen"), 1 if seen else 0)
 
-    def mark_done(self, rnd: int) -> int:
-        """Count this node's success in round ``rnd``; return how many nodes are done."""
-        return self.store.add(self._k(rnd, "done"), 1)
+    def mark_done(self, rnd: int, node: int) -> None:
+        """Record that node ``node`` succeeded in round ``rnd`` (idempotent: a launcher
+        retries it after a store call that got no answer, which may have arrived)."""
+        self.store.set(self._k(rnd, f"done/{node}"), "1")
 
-    def done(self, rnd: int) -> int:
-        return self.store.add(self._k(rnd, "done"), 0)
+    def all_done(self, rnd: int, nnodes: int) -> bool:
+        """Whether every one of the ``nnodes`` nodes of round ``rnd`` succeeded."""
+        return self.store.check([self._k(rnd, f"done/{node}") for node in range(nnodes)])
 
     # -- joining -------------------------------------------------------------
     def join(self) -> Membership:

@@ -14,7 +14,7 @@ from .tcp_server import StoreServer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
-    parser.add_argument("--port", type=int, default=29500, help="port (0 picks a free one)")
+    parser.add_argument("--port", type=int, default=29500, help="port (default 29500; 0 picks a free one)")
     parser.add_argument(
         "--log-level", default="WARNING", type=str.upper, choices=LEVELS,
         help="logging level of the server (default: WARNING)",

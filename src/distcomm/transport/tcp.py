@@ -86,6 +86,10 @@ EARLY_POOL_BYTES = 1024 * 1024
 ADDRESS_PREFETCH_MAX = 1024
 #: A published address that refuses connections this long belongs to a process that left.
 REFUSED_GIVE_UP = 2.0
+#: A published address this host has no route to (ENETUNREACH) this long is the wrong one.
+UNREACHABLE_GIVE_UP = 5.0
+#: A peer whose address gives no answer this long gets a warning (it may be the wrong one).
+SILENT_WARN_AFTER = 10.0
 _HDR = w.HEADER.size
 _EPOLLIN = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
 _POLL_RW = select.POLLIN | select.POLLOUT
@@ -1611,6 +1615,12 @@ def address_keys(size: int) -> list[str]:
     return [_addr_key(r) for r in range(size)]
 
 
+_ADDRESS_HINT = (
+    f"set {w.IFNAME_VARS[0]} (or {w.IFNAME_VARS[1]}) on that rank's host to the interface the "
+    f"other hosts reach, or {w.HOST_VAR} to its address"
+)
+
+
 def _connect_retry(host: str, port: int, deadline: Deadline, rank: int) -> socket.socket:
     """Connect to a peer's published address, retrying briefly.
 
@@ -1620,12 +1630,15 @@ def _connect_retry(host: str, port: int, deadline: Deadline, rank: int) -> socke
     """
     delay = 0.005
     refused_since: float | None = None
+    unreachable_since: float | None = None
+    start = time.monotonic()
+    warned = False
     while True:
         try:
             return socket.create_connection((host, port), timeout=max(0.1, min(deadline.remaining(), 10)))
         except OSError as e:
+            now = time.monotonic()
             if isinstance(e, ConnectionRefusedError):
-                now = time.monotonic()
                 refused_since = refused_since or now
                 if now - refused_since > REFUSED_GIVE_UP:
                     raise DistNetworkError(
@@ -1633,6 +1646,17 @@ def _connect_retry(host: str, port: int, deadline: Deadline, rank: int) -> socke
                         "destroyed its process group)",
                         peer=rank, addr=f"{host}:{port}",
                     ) from e
+            if e.errno == errno.ENETUNREACH:
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > UNREACHABLE_GIVE_UP:
+                    raise DistNetworkError(
+                        f"rank {rank} published {host}:{port}, which this host has no route to "
+                        f"({e.strerror}); {_ADDRESS_HINT}", peer=rank, addr=f"{host}:{port}",
+                    ) from e
+            elif not warned and now - start > SILENT_WARN_AFTER and not isinstance(e, ConnectionRefusedError):
+                warned = True
+                log.warning("still no connection to rank %d at %s:%d after %.0f s (%s); if that "
+                            "address is wrong, %s", rank, host, port, now - start, e, _ADDRESS_HINT)
             if deadline.expired():
                 raise DistNetworkError(
                     f"no connection to rank {rank} at {host}:{port} within {deadline.seconds:g} s ({e})",

@@ -54,6 +54,7 @@ import socket
 import struct
 
 from ..errors import DistInputError
+from ..store.tcp_client import is_loopback
 
 MAGIC = b"DCTP"
 #: Version 1: no authentication; version 2: challenge-response (flag AUTH).
@@ -83,17 +84,19 @@ IFNAME_VARS = ("DISTCOMM_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 HOST_VAR = "DISTCOMM_HOSTNAME"
 
 
-def interface_address(name: str) -> str:
-    """IPv4 address of network interface ``name`` (Linux)."""
+def interface_address(name: str, variable: str | None = None) -> str:
+    """IPv4 address of network interface ``name`` (Linux); ``variable`` names the setting
+    it came from, for the error."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
         except OSError:
             known = ", ".join(n for _, n in socket.if_nameindex())
+            where = f"{variable}={os.environ.get(variable, name)}: " if variable else ""
             raise DistInputError(
-                f"network interface {name!r} has no IPv4 address or does not exist; "
-                f"interfaces here: {known}",
-                variable=name,
+                f"{where}network interface {name!r} has no IPv4 address or does not exist; "
+                f"interfaces here: {known} (expected the interface the other hosts reach)",
+                variable=variable or name,
             ) from None
     return socket.inet_ntoa(packed[20:24])
 
@@ -111,12 +114,36 @@ def route_address(master: str | None) -> str:
         return "127.0.0.1"
 
 
+#: An address no host has (TEST-NET-1): routing to it finds the default route's source.
+_OUTSIDE = "192.0.2.1"
+
+
+def outward_address() -> str | None:
+    """An IPv4 address of this host that other hosts may reach: the default route's source,
+    else the first non-loopback interface's address; None if there is none."""
+    routed = route_address(_OUTSIDE)
+    if not routed.startswith("127."):
+        return routed
+    for _, name in socket.if_nameindex():
+        try:
+            addr = interface_address(name)
+        except DistInputError:
+            continue
+        if not addr.startswith("127."):
+            return addr
+    return None
+
+
 def publish_address(master: str | None) -> str:
     """The address peers should connect to: chosen by environment, else routed.
 
     ``DISTCOMM_HOSTNAME`` wins; then the interface named by
     ``DISTCOMM_SOCKET_IFNAME`` (or ``GLOO_SOCKET_IFNAME``); then the address
     this host uses to reach the master (so a job on one host stays on loopback).
+    A master given by a name this host resolves to loopback (``/etc/hosts``
+    often maps a machine's own name to 127.0.1.1) is this host, but other
+    hosts reach it by that name too: publish an address they can reach
+    (:func:`outward_address`).
     """
     host = os.environ.get(HOST_VAR)
     if host:
@@ -124,5 +151,8 @@ def publish_address(master: str | None) -> str:
     for var in IFNAME_VARS:
         name = os.environ.get(var)
         if name:
-            return interface_address(name.split(",")[0].strip())
-    return route_address(master)
+            return interface_address(name.split(",")[0].strip(), var)
+    routed = route_address(master)
+    if routed.startswith("127.") and master and not is_loopback(master):
+        return outward_address() or routed
+    return routed
