@@ -171,6 +171,7 @@ class Agent:
         except DistError as e:
             raise LaunchError(f"the job's store failed: {e}") from None
         self.rdzv.interrupted = lambda: self.signum is not None
+        self.rdzv.say = _say
         while True:
             self.store.set_timeout(self.cfg.join_timeout)
             try:
@@ -371,12 +372,15 @@ class Agent:
             self.sel.unregister(w.pidfd)
         w.close_fds()
 
-    def _stop_workers(self, sig: int, grace: float) -> None:
-        """Signal every live worker's group, SIGKILL after ``grace``, reap, release."""
+    def _stop_workers(self, sig: int, grace: float, meanwhile: Callable[[], None] | None = None) -> None:
+        """Signal every live worker's group, SIGKILL after ``grace``, reap, release;
+        ``meanwhile()`` runs once the signals are sent."""
         live = [w for w in self.workers if w.poll() is None]
         for w in live:
             w.stopped_by_us = True
             w.signal_group(sig)
+        if meanwhile is not None:
+            meanwhile()
         self._await_exits(live, grace)
         for w in live:
             w.signal_group(signal.SIGKILL)  # stragglers
@@ -479,10 +483,14 @@ class Agent:
     def _interrupted(self) -> int:
         sig = self.signum or signal.SIGTERM
         _say(f"got {signal_name(sig)}; stopping {len(self.workers)} workers")
-        self._stop_workers(sig, self.cfg.shutdown_timeout)
-        if self.cfg.nnodes[1] > 1:
+        tell = None
+        if self.cfg.nnodes[1] > 1:  # before the workers' exits make the other nodes give up
             message = f"a launcher on {socket.gethostname()} got {signal_name(sig)}"
-            self._store(lambda r: r.abort(r.current_round(), message), None)
+
+            def tell() -> None:
+                self._store(lambda r: r.abort(r.current_round(), message), None)
+
+        self._stop_workers(sig, self.cfg.shutdown_timeout, tell)
         return 128 + sig
 
     def _lost(self, w: Worker) -> None:

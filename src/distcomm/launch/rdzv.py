@@ -20,7 +20,7 @@ launcher on the ``--rdzv-endpoint`` host).  Keys live under
 * ``r<R>/failed_seen``: joiners that saw the round fail (the store's host
   waits for them before leaving).
 * ``r<R>/abort``: a launcher gave up (its worker failed with no restarts left).
-* ``r<R>/done``: launchers whose workers all succeeded (the exit barrier).
+* ``r<R>/done/<node>``: set by each launcher whose workers all succeeded (the exit barrier).
 
 Moving ``round`` from R to R+1 (compare-and-set, so concurrent movers agree)
 tells every running launcher to stop its workers and join round R+1: a
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..deadline import Deadline
@@ -43,6 +44,9 @@ __all__ = ["Membership", "NodeRendezvous", "RendezvousFailed"]
 
 #: Seconds between store polls while waiting for a round to close.
 POLL = 0.02
+#: A launcher waiting this long for other nodes says so, and again every NOTE_EVERY seconds.
+NOTE_AFTER = 10.0
+NOTE_EVERY = 30.0
 
 
 class RendezvousFailed(DistError):
@@ -83,6 +87,7 @@ class NodeRendezvous:
         self.join_timeout = join_timeout
         self.run_id = self._agree(self.ns + "run_id", run_id)
         self.interrupted = lambda: False  # set by the agent: True aborts waiting
+        self.say: Callable[[str], None] = lambda message: None  # set by the agent: progress notes
         self._failed_round: int | None = None
 
     # -- small store helpers ------------------------------------------------
@@ -181,6 +186,7 @@ class NodeRendezvous:
     def _wait_closed(self, rnd: int, index: int, deadline: Deadline) -> Membership | None:
         min_reached: float | None = None
         checked = 0
+        note_at = time.monotonic() + NOTE_AFTER
         while True:
             closed = self._peek(self._k(rnd, "closed"))
             if closed is not None:
@@ -204,7 +210,20 @@ class NodeRendezvous:
             if self.current_round() != rnd:
                 return None
             self._check_deadline(deadline)
+            if now >= note_at and min_reached is None:
+                note_at = now + NOTE_EVERY
+                self._note_waiting(count, deadline)
             time.sleep(POLL)
+
+    def _note_waiting(self, count: int, deadline: Deadline) -> None:
+        """Say that this node waits for others to join (a lost node may never come back)."""
+        want = self.info["nnodes"]
+        missing = self.min - count
+        self.say(
+            f"waiting for {missing} more node{'s' if missing != 1 else ''} to join "
+            f"({count} of --nnodes {want} here); giving up in {deadline.remaining():.0f} s "
+            "(join_timeout, set with --rdzv-conf)"
+        )
 
     def _nodes(self, rnd: int, start: int, stop: int) -> list[dict]:
         keys = [self._k(rnd, f"node{i}") for i in range(start, stop)]
