@@ -51,17 +51,23 @@ class ProcessExitedException(ProcessException):
     signal_name: Any = None
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when ``parent_pid`` dies; exit at once if it
+    already has (it may die before a child that starts slowly gets here)."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # not Linux: best effort
         pass
+    if os.getppid() != parent_pid:  # the caller died before prctl took effect
+        os._exit(1)
 
 
-def _child(fn: Callable, i: int, args: tuple, env: dict[str, str], conn: Any) -> None:
-    _die_with_parent()
+def _child(
+    fn: Callable, i: int, args: tuple, env: dict[str, str], conn: Any, parent_pid: int
+) -> None:
+    _die_with_parent(parent_pid)
     for name in _DROPPED:
         os.environ.pop(name, None)
     os.environ.update(env)
@@ -212,7 +218,9 @@ def spawn(
         for i in range(nprocs):
             env = {k: str(v) for k, v in {**common, "RANK": i, "LOCAL_RANK": i}.items()}
             reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(fn, i, args, env, writer), daemon=daemon)
+            p = ctx.Process(
+                target=_child, args=(fn, i, args, env, writer, os.getpid()), daemon=daemon
+            )
             p.start()
             writer.close()
             processes.append(p)
