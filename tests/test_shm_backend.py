@@ -77,22 +77,39 @@ def test_reclaim_removes_only_old_files_of_dead_creators():
     dead = _dead_pid()
     old_dead = os.path.join(SHM_DIR, f"distcomm-{dead}-0a-coll")
     young_dead = os.path.join(SHM_DIR, f"distcomm-{dead}-0b-coll")
-    old_alive = os.path.join(SHM_DIR, f"distcomm-{os.getpid()}-0c-coll")
+    reused = os.path.join(SHM_DIR, f"distcomm-{os.getpid()}-0c-coll")  # a live pid, nobody's lock
     foreign = os.path.join(SHM_DIR, f"distcommx-{dead}-0d-coll")
-    for p in (old_dead, young_dead, old_alive, foreign):
+    for p in (old_dead, young_dead, reused, foreign):
         open(p, "wb").close()
     long_ago = time.time() - 3600
-    for p in (old_dead, old_alive, foreign):
+    for p in (old_dead, reused, foreign):
         os.utime(p, (long_ago, long_ago))
     try:
         removed = reclaim_leftovers()
-        assert os.path.basename(old_dead) in removed
-        assert not os.path.exists(old_dead)
-        assert all(os.path.exists(p) for p in (young_dead, old_alive, foreign))
+        assert sorted(removed) == sorted(os.path.basename(p) for p in (old_dead, reused))
+        assert all(os.path.exists(p) for p in (young_dead, foreign))
     finally:
-        for p in (old_dead, young_dead, old_alive, foreign):
+        for p in (old_dead, young_dead, reused, foreign):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_reclaim_leaves_a_live_creators_segment_whatever_pid_its_name_gives():
+    """A creator in another pid namespace sharing /dev/shm: the pid in the name is no process
+    here, but the creator's lock says the segment is in use."""
+    seg = Segment.create("coll", 4096, "0e")
+    moved = os.path.join(SHM_DIR, f"distcomm-{_dead_pid()}-0e-coll")
+    os.rename(seg.path, moved)
+    long_ago = time.time() - 3600
+    os.utime(moved, (long_ago, long_ago))
+    try:
+        assert reclaim_leftovers() == []
+        assert os.path.exists(moved)
+        seg.buf[:2] = b"ok"
+    finally:
+        os.unlink(moved)
+        seg._linked = False
+        seg.close()
 
 
 def _open_shared_rank(rank: int, world_size: int, path: str) -> tuple[int, bytes]:

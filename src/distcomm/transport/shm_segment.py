@@ -9,9 +9,13 @@ The usual life of a group's segment: the owner creates it, every peer
 attaches, and the owner unlinks the name at once; the mapping lives on in
 every process and the memory is freed when the last one unmaps or dies, so
 even ``kill -9`` leaves nothing in /dev/shm.  A file left by a process that
-died in the short window before the unlink carries its creator's pid in its
-name: :func:`reclaim_leftovers` removes such files once their creator is gone
-and they are old enough not to belong to a job still starting up.
+died in the short window before the unlink is removed by
+:func:`reclaim_leftovers` once it is old enough not to belong to a job still
+starting up and its creator is gone: the creator holds an exclusive ``flock``
+on the file for as long as it maps it, which the kernel drops when the process
+dies, so a live creator is seen even from another pid namespace sharing
+/dev/shm (where the pid in the name means nothing) and a dead one even if its
+pid was reused.  (Where locks are not supported, the pid in the name decides.)
 
 :func:`open_each` is the variant for per-rank memory (the heaps of
 :mod:`.shm_heap`): every rank creates a *sparse* segment of its own (no
@@ -23,6 +27,7 @@ ranks mapped all of them.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -97,6 +102,10 @@ class Segment:
             ) from None
         except OSError as e:
             raise _os_error(e, f"create shared-memory segment {path}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by the mapping's descriptor too
+        except OSError:
+            pass  # no locks here: reclaim_leftovers goes by the pid in the name
         try:
             os.ftruncate(fd, size)
             if size and not sparse:
@@ -207,8 +216,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _abandoned(path: str, pid: int) -> bool:
+    """Whether the segment file at ``path`` lost its creator: nobody holds its lock (else
+    the creator ``pid`` of its name is gone, where the file system has no locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # its creator maps it: a live job, maybe in another pid namespace
+    except OSError:
+        return not _alive(pid)
+    finally:
+        os.close(fd)
+    return True
+
+
 def reclaim_leftovers(min_age: float = RECLAIM_MIN_AGE) -> list[str]:
-    """Unlink segments whose creator is dead and that are older than ``min_age`` s."""
+    """Unlink segments older than ``min_age`` s whose creator is gone (see the module doc)."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
@@ -217,11 +244,11 @@ def reclaim_leftovers(min_age: float = RECLAIM_MIN_AGE) -> list[str]:
     now = time.time()
     for name in names:
         m = _NAME.match(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None:
             continue
         path = os.path.join(SHM_DIR, name)
         try:
-            if now - os.stat(path).st_mtime >= min_age:
+            if now - os.stat(path).st_mtime >= min_age and _abandoned(path, int(m.group(1))):
                 os.unlink(path)
                 removed.append(name)
         except OSError:
