@@ -26,6 +26,7 @@ from .errors import DistBackendError, DistInputError, DistNotInitializedError, D
 from .group import ProcessGroup
 from .store import PrefixStore, Store, auth
 from .store.rendezvous import rendezvous
+from .store.watched import WatchedStore
 
 __all__ = [
     "GroupMember",
@@ -495,9 +496,14 @@ def new_group(
     if world.rank not in members:
         world.nonmember_ranks = members
         return GroupMember.NON_GROUP_MEMBER
-    store = PrefixStore(f"group/{name}", world.store)
+    default = world.default
+
+    def check() -> None:  # a member that died makes the set-up fail now, naming it
+        default.check_members(members, f"making group {name!r}")
+
+    store = WatchedStore(PrefixStore(f"group/{name}", world.store), check)
     started = time.monotonic()
-    pg = factory.subgroup(world.default, store, members, members.index(world.rank), name, seconds)
+    pg = factory.subgroup(default, store, members, members.index(world.rank), name, seconds)
     pg.group_name = name
     pg.backend_name = backend_label(backend, world.backend)
     pg.ranks = members

@@ -223,6 +223,11 @@ class ProcessGroup:
         self._stop_helpers(destroyed)
         self._release()
 
+    def check_members(self, ranks: list[int], what: str) -> None:
+        """Raise :class:`DistBackendError` naming the first of the global ``ranks`` whose
+        process this group knows to have died (``what``: what this rank was doing); a group
+        that watches no processes knows nothing."""
+
     # -- for subclasses ----------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
         """Fail this process's pending requests of the group, peers untold (subclasses)."""

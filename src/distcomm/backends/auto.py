@@ -140,6 +140,10 @@ class HierarchicalProcessGroup(ChannelProcessGroup):
         super().__init__(full.channel, group_name, timeout, ranks, algorithms=algorithms)
         self.machines = len(order)
 
+    def check_members(self, ranks: list[int], what: str) -> None:
+        if self._parts:
+            self._parts[0].check_members(ranks, what)  # this machine's ranks: their pids are watched
+
     def _cancel_pending(self, cause: BaseException) -> None:
         for part in self._parts:
             part._cancel_pending(cause)

@@ -158,6 +158,15 @@ class ShmProcessGroup(ChannelProcessGroup):
         views = [table.views[g] for g in ranks]
         return views if all(v is not None for v in views) else None  # type: ignore[misc]
 
+    def check_members(self, ranks: list[int], what: str) -> None:
+        control = self._control
+        if control is None:
+            return
+        for g in ranks:
+            if g in self.ranks and control.exited(self.ranks.index(g)):
+                raise DistBackendError(f"rank {g} died (its process exited) while this rank was {what}",
+                                       peer=g)
+
     # -- lifecycle ---------------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
         if self._control is not None:

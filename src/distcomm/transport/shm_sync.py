@@ -243,6 +243,10 @@ class Control:
         """Watch the processes of the peers (group rank -> pid)."""
         self._watch = _PeerWatch({r: p for r, p in pids.items() if r != self.rank})
 
+    def exited(self, peer: int) -> bool:
+        """Whether group rank ``peer``'s process is known to have exited."""
+        return self._watch is not None and peer != self.rank and self._watch.dead(peer)
+
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()

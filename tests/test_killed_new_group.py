@@ -1,0 +1,57 @@
+"""A rank that dies while the others make a subgroup: they fail naming it, not at the timeout.
+
+Making a group waits on the store for every member; a member whose process
+died never sets its keys.  On a shared-memory default group the members'
+processes are watched, so the set-up fails as soon as one is seen dead
+(the group timeout here is 300 s, the test's 60 s).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from collective_cases import init, run_world
+
+import distcomm as dist
+
+VICTIM = 1
+
+
+def _new_group_after_a_death(rank: int, world_size: int, backend: str, port: int) -> dict:
+    if rank == VICTIM:  # dies in a child, so that run_ranks sees this process end normally
+        pid = os.fork()
+        if pid == 0:
+            try:
+                init(rank, world_size, backend, port, timeout=300)
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        return {"victim_exit": os.waitstatus_to_exitcode(status)}
+    init(rank, world_size, backend, port, timeout=300)
+    try:
+        dist.barrier()
+        try:
+            dist.new_group(list(range(world_size)))
+            return {"error": None}
+        except dist.DistError as e:
+            return {"error": str(e), "type": type(e).__name__, "peer": e.peer}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("backend", ["shm", "auto"])
+def test_a_member_dead_before_new_group_fails_it_naming_the_rank(backend, world_size):
+    results = run_world(_new_group_after_a_death, world_size, backend, timeout=50)
+    assert results[VICTIM] == {"victim_exit": -9}
+    for rank, r in enumerate(results):
+        if rank == VICTIM:
+            continue
+        assert r["error"] is not None, f"rank {rank}: new_group succeeded without rank {VICTIM}"
+        assert (r["type"], r["peer"]) == ("DistBackendError", VICTIM), r
+        assert f"rank {VICTIM} died" in r["error"] and "making group" in r["error"], r["error"]
