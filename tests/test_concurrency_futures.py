@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from collective_cases import init, run_world
+from collective_cases import BACKENDS, init, run_world
 
 import distcomm as dist
 from distcomm.errors import DistBackendError
@@ -52,7 +52,7 @@ def _callbacks_issue_collectives(rank: int, world_size: int, backend: str, port:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_callback_may_issue_and_wait_for_collectives_of_its_group(backend):
     for bad in run_world(_callbacks_issue_collectives, 2, backend, timeout=45):
         assert not bad, bad
@@ -94,7 +94,7 @@ def _many_p2p_futures(rank: int, world_size: int, backend: str, port: int) -> li
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_point_to_point_futures_share_one_thread(backend):
     for bad in run_world(_many_p2p_futures, 2, backend, timeout=45):
         assert not bad, bad

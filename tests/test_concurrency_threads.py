@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from collective_cases import init, run_world
+from collective_cases import BACKENDS, init, run_world
 
 import distcomm as dist
 from distcomm.errors import DistTimeoutError
@@ -75,7 +75,7 @@ def _thread_per_group(rank: int, world_size: int, backend: str, port: int) -> li
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_threads_on_groups_of_their_own(backend):
     for bad in run_world(_thread_per_group, 3, backend, timeout=45):
         assert not bad, bad

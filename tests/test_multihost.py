@@ -10,54 +10,26 @@ namespaces cannot be made (no root, no ``ip``), the test is skipped and says why
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from netns import veth_pair
 
 from distcomm.testing import free_port
 
 PROGRAM = Path(__file__).parent / "programs" / "check_collectives.py"
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def two_hosts():
     """Namespaces A and B with addresses 10.201.N.1 and .2 on a veth pair."""
-    if shutil.which("ip") is None:
-        pytest.skip("no 'ip' command: cannot make network namespaces")
     tag = f"{os.getpid() % 100000}"
     ns = [f"dcA{tag}", f"dcB{tag}"]
     net = f"10.201.{os.getpid() % 250}"
-    made = _ip("netns", "add", ns[0])
-    if made.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
-    try:
-        steps = [
-            ("netns", "add", ns[1]),
-            ("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"),
-            ("link", "set", f"va{tag}", "netns", ns[0]),
-            ("link", "set", f"vb{tag}", "netns", ns[1]),
-            ("-n", ns[0], "addr", "add", f"{net}.1/24", "dev", f"va{tag}"),
-            ("-n", ns[1], "addr", "add", f"{net}.2/24", "dev", f"vb{tag}"),
-            ("-n", ns[0], "link", "set", f"va{tag}", "up"),
-            ("-n", ns[1], "link", "set", f"vb{tag}", "up"),
-            ("-n", ns[0], "link", "set", "lo", "up"),
-            ("-n", ns[1], "link", "set", "lo", "up"),
-        ]
-        for step in steps:
-            out = _ip(*step)
-            if out.returncode != 0:
-                pytest.skip(f"cannot set up the namespaces: ip {' '.join(step)}: {out.stderr.strip()}")
+    with veth_pair(ns, (f"va{tag}", f"vb{tag}"), net):
         yield ns, [f"{net}.1", f"{net}.2"]
-    finally:
-        for name in ns:
-            _ip("netns", "del", name)  # removes the veth pair with it
 
 
 @pytest.mark.timeout(180)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from netns import ip, veth_pair
 
 from distcomm.testing import free_port
 
@@ -59,47 +60,26 @@ except Exception as e:
 """
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def hosts():
     """Namespaces A and B: (names, addresses, the veth in A, B's dead-end address)."""
-    if shutil.which("ip") is None:
-        pytest.skip("no 'ip' command: cannot make network namespaces")
     tag = f"{os.getpid() % 100000}"
     ns = [f"dfA{tag}", f"dfB{tag}"]
     net = f"10.203.{os.getpid() % 250}"
     dead = f"10.204.{os.getpid() % 250}"
-    made = _ip("netns", "add", ns[0])
-    if made.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
     etc = [Path("/etc/netns") / name for name in ns]
     try:
         for where, addr in zip(etc, ("127.0.1.1", f"{net}.1"), strict=True):
             where.mkdir(parents=True, exist_ok=True)
             (where / "hosts").write_text(f"127.0.0.1 localhost\n{addr} dcmaster{tag}\n")
-        steps = [
-            ("netns", "add", ns[1]),
-            ("link", "add", f"fa{tag}", "type", "veth", "peer", "name", f"fb{tag}"),
-            ("link", "set", f"fa{tag}", "netns", ns[0]),
-            ("link", "set", f"fb{tag}", "netns", ns[1]),
-            ("-n", ns[0], "addr", "add", f"{net}.1/24", "dev", f"fa{tag}"),
-            ("-n", ns[1], "addr", "add", f"{net}.2/24", "dev", f"fb{tag}"),
+        dead_end = [
             ("-n", ns[1], "link", "add", "dead0", "type", "veth", "peer", "name", "dead1"),
             ("-n", ns[1], "addr", "add", f"{dead}.2/24", "dev", "dead0"),
+            *[("-n", ns[1], "link", "set", name, "up") for name in ("dead0", "dead1")],
         ]
-        steps += [("-n", ns[0], "link", "set", name, "up") for name in (f"fa{tag}", "lo")]
-        steps += [("-n", ns[1], "link", "set", name, "up") for name in (f"fb{tag}", "lo", "dead0", "dead1")]
-        for step in steps:
-            out = _ip(*step)
-            if out.returncode != 0:
-                pytest.skip(f"cannot set up the namespaces: ip {' '.join(step)}: {out.stderr.strip()}")
-        yield ns, [f"{net}.1", f"{net}.2"], f"fa{tag}", f"{dead}.2"
+        with veth_pair(ns, (f"fa{tag}", f"fb{tag}"), net, dead_end):
+            yield ns, [f"{net}.1", f"{net}.2"], f"fa{tag}", f"{dead}.2"
     finally:
-        for name in ns:
-            _ip("netns", "del", name)  # removes the veth pairs with them
         for where in etc:
             shutil.rmtree(where, ignore_errors=True)
         try:
@@ -170,15 +150,15 @@ def test_a_network_outage_between_collectives_is_survived_by_launchers_and_worke
             ))
     try:
         _wait_for("both ranks ready", lambda: all((tmp_path / f"ready{r}").exists() for r in (0, 1)), procs)
-        assert _ip("-n", ns[0], "link", "set", link, "down").returncode == 0
+        assert ip("-n", ns[0], "link", "set", link, "down").returncode == 0
         _wait_for("node 1 noticing the silent store", lambda: "does not answer" in logs[1].read_text(),
                   procs)
-        assert _ip("-n", ns[0], "link", "set", link, "up").returncode == 0
+        assert ip("-n", ns[0], "link", "set", link, "up").returncode == 0
         (tmp_path / "mended").touch()
         codes = _finish(procs, 60)
         out = "".join(p.stdout.read() for p in procs if p.stdout is not None)
     finally:
-        _ip("-n", ns[0], "link", "set", link, "up")
+        ip("-n", ns[0], "link", "set", link, "up")
         _close(procs)
     errs = [log.read_text() for log in logs]
     assert codes == [0, 0], f"exit codes {codes}\n{out}\n{errs}"
