@@ -10,6 +10,7 @@ Point-to-point calls post straight to the channel, off the executor.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -156,14 +157,25 @@ class ChannelProcessGroup(ProcessGroup):
     def _ref(self, obj: Any, what: str, writable: bool = True) -> ArrayRef:
         return as_array(obj, writable=writable, what=what)
 
-    def _refs(self, objs: Any, what: str, writable: bool = True, n: int | None = None) -> list[ArrayRef]:
+    def _refs(self, objs: Any, what: str, writable: bool = True, n: int | None = None,
+              back: list[tuple[Any, Any]] | None = None) -> list[ArrayRef]:
+        """The arrays of a list of tensors.  Strided entries (as torch allows in lists) are
+        staged in contiguous copies: an input's is taken now, an output's goes to ``back``
+        (pairs of the entry and its copy) for :func:`_write_back` once the result is in."""
         if not isinstance(objs, (list, tuple)):
             raise DistTypeError(f"{what} must be a list of tensors, got {type(objs).__name__}")
         if n is not None and len(objs) != n:
             raise DistInputError(
                 f"{what} has {len(objs)} tensors; expected one per rank of the group ({n})"
             )
-        return [self._ref(o, f"{what}[{i}]", writable) for i, o in enumerate(objs)]
+        refs = []
+        for i, o in enumerate(objs):
+            copy = _contiguous_copy(o, writable)
+            if copy is not None and writable:
+                assert back is not None, "an output list needs somewhere to write strided entries back"
+                back.append((o, copy))
+            refs.append(self._ref(o if copy is None else copy, f"{what}[{i}]", writable))
+        return refs
 
     def _check_root(self, root: int, what: str) -> None:
         if not 0 <= root < self._size:
@@ -245,9 +257,10 @@ class ChannelProcessGroup(ProcessGroup):
 
     def allgather(self, output_list: Any, tensor: Any, async_op: bool = False) -> Work:
         inp = self._ref(tensor, "tensor", writable=False)
-        outs = self._refs(output_list, "tensor_list", n=self._size)
+        back: list[tuple[Any, Any]] = []
+        outs = self._refs(output_list, "tensor_list", n=self._size, back=back)
         if any(o.numel != inp.numel for o in outs):
-            return self._allgather_uneven(output_list, outs, inp, async_op)
+            return self._allgather_uneven(output_list, outs, inp, async_op, back)
         for o in outs:
             self._check_like(o, inp)
         n = inp.numel
@@ -258,10 +271,12 @@ class ChannelProcessGroup(ProcessGroup):
             self.algorithms.allgather(buf, seq, deadline)
             for i, o in enumerate(outs):
                 copy_into(o.array, buf[i * n : (i + 1) * n])
+            _write_back(back)
 
         return self._submit("all_gather", run, async_op, output_list, (inp.shape, inp.dtype, None, None, None))
 
-    def _allgather_uneven(self, output_list: Any, outs: list[ArrayRef], inp: ArrayRef, async_op: bool) -> Work:
+    def _allgather_uneven(self, output_list: Any, outs: list[ArrayRef], inp: ArrayRef, async_op: bool,
+                          back: list[tuple[Any, Any]]) -> Work:
         """``all_gather`` of blocks of different sizes (as torch allows): rank i's block is
         ``tensor_list[i]``'s size, which every rank must give alike (DETAIL checks it; else
         the transfer of a block of another size fails, naming both); sent as an all-to-all."""
@@ -283,6 +298,7 @@ class ChannelProcessGroup(ProcessGroup):
             send.reshape(self._size, inp.numel)[:] = inp.array.reshape(1, -1)
             self.algorithms.alltoall(send, recv, seq, deadline, send_counts=sends, recv_counts=counts)
             _unpack(recv, [o.array for o in outs])
+            _write_back(back)
 
         return self._submit("all_gather", run, async_op, output_list,
                             (None, inp.dtype, None, None, (sends, counts)))
@@ -306,10 +322,11 @@ class ChannelProcessGroup(ProcessGroup):
         self._check_root(root, "dst")
         inp = self._ref(tensor, "tensor", writable=False)
         outs: list[ArrayRef] = []
+        back: list[tuple[Any, Any]] = []
         if self._rank == root:
             if gather_list is None:
                 raise DistInputError("gather_list is required on the destination rank")
-            outs = self._refs(gather_list, "gather_list", n=self._size)
+            outs = self._refs(gather_list, "gather_list", n=self._size, back=back)
             for o in outs:
                 self._check_like(o, inp)
         elif gather_list:
@@ -323,6 +340,7 @@ class ChannelProcessGroup(ProcessGroup):
             self.algorithms.gather(inp.array, buf, root, seq, deadline)
             for i, o in enumerate(outs):
                 copy_into(o.array, buf[i * n : (i + 1) * n])
+            _write_back(back)
 
         return self._submit("gather", run, async_op, gather_list, (inp.shape, inp.dtype, root, None, None))
 
@@ -381,7 +399,8 @@ class ChannelProcessGroup(ProcessGroup):
                             (out.shape, out.dtype, None, op, None))
 
     def alltoall(self, output_list: Any, input_list: Any, async_op: bool = False) -> Work:
-        outs = self._refs(output_list, "output_tensor_list", n=self._size)
+        back: list[tuple[Any, Any]] = []
+        outs = self._refs(output_list, "output_tensor_list", n=self._size, back=back)
         ins = self._refs(input_list, "input_tensor_list", writable=False, n=self._size)
         dtypes = {r.dtype for r in [*outs, *ins]}
         if len(dtypes) > 1:
@@ -398,6 +417,7 @@ class ChannelProcessGroup(ProcessGroup):
             self.algorithms.alltoall(send, recv, seq, deadline,
                                      send_counts=send_counts, recv_counts=recv_counts)
             _unpack(recv, [r.array for r in outs])
+            _write_back(back)
 
         return self._submit("all_to_all", run, async_op, output_list,
                             (None, outs[0].dtype if outs else ins[0].dtype, None, None,
@@ -720,6 +740,29 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _overlaps(a: np.ndarray, b: np.ndarray) -> bool:
     return a.nbytes > 0 and b.nbytes > 0 and np.shares_memory(a, b)
+
+
+def _contiguous_copy(obj: Any, writable: bool) -> Any:
+    """A contiguous copy of ``obj`` if it is a strided NumPy array or CPU torch tensor (a list
+    entry such as ``out.T`` or ``list(x.chunk(2, dim=1))``), else None (taken as it is)."""
+    if isinstance(obj, np.ndarray):
+        if obj.flags.c_contiguous or obj.ndim == 0 or (writable and not obj.flags.writeable):
+            return None
+        return np.ascontiguousarray(obj)
+    torch = sys.modules.get("torch")
+    if (torch is not None and isinstance(obj, torch.Tensor) and obj.layout == torch.strided
+            and obj.device.type == "cpu" and not obj.is_contiguous()):
+        return obj.detach().contiguous()
+    return None
+
+
+def _write_back(pairs: list[tuple[Any, Any]]) -> None:
+    """Copy each staged output into the strided entry it stands for (see ``_refs``)."""
+    for entry, copy in pairs:
+        if isinstance(entry, np.ndarray):
+            np.copyto(entry, copy)
+        else:
+            entry.detach().copy_(copy)
 
 
 def _pack(buf: np.ndarray, arrays: list[np.ndarray]) -> None:
