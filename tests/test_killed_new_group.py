@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from datetime import timedelta
 
 import pytest
 from collective_cases import init, run_world
@@ -17,6 +19,14 @@ from collective_cases import init, run_world
 import distcomm as dist
 
 VICTIM = 1
+
+
+def _leave_together(rank: int, port: int, ranks: int) -> None:
+    """Rank 0 hosts the store: it stays until the other ``ranks`` - 1 are done with it."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    store.add("test/done", 1)
+    while rank == 0 and store.add("test/done", 0) < ranks:
+        time.sleep(0.02)
 
 
 def _new_group_after_a_death(rank: int, world_size: int, backend: str, port: int) -> dict:
@@ -40,6 +50,7 @@ def _new_group_after_a_death(rank: int, world_size: int, backend: str, port: int
         except dist.DistError as e:
             return {"error": str(e), "type": type(e).__name__, "peer": e.peer}
     finally:
+        _leave_together(rank, port, world_size - 1)
         dist.destroy_process_group()
 
 
@@ -55,3 +66,32 @@ def test_a_member_dead_before_new_group_fails_it_naming_the_rank(backend, world_
         assert r["error"] is not None, f"rank {rank}: new_group succeeded without rank {VICTIM}"
         assert (r["type"], r["peer"]) == ("DistBackendError", VICTIM), r
         assert f"rank {VICTIM} died" in r["error"] and "making group" in r["error"], r["error"]
+
+
+def _new_group_failing_on_one_rank(rank: int, world_size: int, backend: str, port: int) -> dict:
+    init(rank, world_size, backend, port, timeout=300)
+    try:
+        if rank == VICTIM:  # a setting only this rank gets wrong: its set-up fails at once
+            os.environ["DISTCOMM_SHM_SMALL_BYTES"] = "lots"
+        try:
+            dist.new_group(list(range(world_size)))
+            return {"error": None}
+        except dist.DistError as e:
+            return {"error": str(e), "type": type(e).__name__, "peer": e.peer}
+        finally:
+            os.environ.pop("DISTCOMM_SHM_SMALL_BYTES", None)
+    finally:
+        _leave_together(rank, port, world_size)
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["shm", "auto"])
+def test_a_member_whose_set_up_fails_fails_new_group_on_every_member(backend):
+    results = run_world(_new_group_failing_on_one_rank, 3, backend, timeout=50)
+    assert "DISTCOMM_SHM_SMALL_BYTES" in results[VICTIM]["error"], results[VICTIM]
+    for rank, r in enumerate(results):
+        if rank != VICTIM:
+            assert (r["type"], r["peer"]) == ("DistBackendError", VICTIM), r
+            assert r["error"].startswith("making group ") and f"failed on rank {VICTIM}: " in r["error"]
+            assert "DISTCOMM_SHM_SMALL_BYTES" in r["error"], r["error"]

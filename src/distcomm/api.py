@@ -12,6 +12,7 @@ remaining ranks in its place (same store; names tagged ``<number>.<k>``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import threading
@@ -22,7 +23,13 @@ from typing import Any
 from .backend_registry import Backend, backend_label, resolve_backend
 from .deadline import Timeout, to_seconds
 from .debug import hooks as _debug
-from .errors import DistBackendError, DistInputError, DistNotInitializedError, DistTypeError
+from .errors import (
+    DistBackendError,
+    DistError,
+    DistInputError,
+    DistNotInitializedError,
+    DistTypeError,
+)
 from .group import ProcessGroup
 from .store import PrefixStore, Store, auth
 from .store.rendezvous import rendezvous
@@ -497,13 +504,30 @@ def new_group(
         world.nonmember_ranks = members
         return GroupMember.NON_GROUP_MEMBER
     default = world.default
+    base = PrefixStore(f"group/{name}", world.store)
 
-    def check() -> None:  # a member that died makes the set-up fail now, naming it
-        default.check_members(members, f"making group {name!r}")
+    told: list[BaseException] = []  # errors about other members: not this rank's to publish
 
-    store = WatchedStore(PrefixStore(f"group/{name}", world.store), check)
+    def check() -> None:  # a member that failed or died makes the set-up fail now, naming it
+        try:
+            default.check_members(members, f"making group {name!r}")
+            failed = _setup_failure(base, name)
+        except DistBackendError as died:  # (it may have exited after saying why it failed)
+            failed = _setup_failure(base, name) or died
+        if failed is not None:
+            told.append(failed)
+            raise failed
+
     started = time.monotonic()
-    pg = factory.subgroup(default, store, members, members.index(world.rank), name, seconds)
+    try:
+        pg = factory.subgroup(default, WatchedStore(base, check), members, members.index(world.rank),
+                              name, seconds)
+    except Exception as e:
+        if e not in told:  # the first member to fail tells the others, which stop waiting for it
+            with contextlib.suppress(Exception):
+                if not base.check([_SETUP_FAILED]):
+                    base.set(_SETUP_FAILED, f"{world.rank}|{type(e).__name__}: {e}")
+        raise
     pg.group_name = name
     pg.backend_name = backend_label(backend, world.backend)
     pg.ranks = members
@@ -511,6 +535,21 @@ def new_group(
         world.groups[name] = pg
     _debug.group_created(pg, time.monotonic() - started)
     return pg
+
+
+#: Key (under a new group's prefix) where the first member whose set-up failed says why.
+_SETUP_FAILED = "setup_failed"
+
+
+def _setup_failure(store: Store, name: str) -> DistBackendError | None:
+    """The error of a member whose part of making group ``name`` failed, if one said so."""
+    try:
+        if not store.check([_SETUP_FAILED]):
+            return None
+        who, why = store.get(_SETUP_FAILED).decode(errors="replace").split("|", 1)
+    except (DistError, ValueError):
+        return None  # the store is gone too, or the key is not ours
+    return DistBackendError(f"making group {name!r} failed on rank {who}: {why}", peer=int(who))
 
 
 def _check_ranks(ranks: Any, world_size: int, sort: bool = True) -> list[int]:
