@@ -35,7 +35,7 @@ from ..transport.base import COLLECTIVE_CODES as _CODES
 from ..transport.shm_segment import host_key
 from .channel_group import ChannelAlgorithms, ChannelProcessGroup
 from .shm import ShmProcessGroup
-from .tcp import TcpProcessGroup, open_transport
+from .tcp import TcpProcessGroup, check_connections, eager_connect, open_transport
 
 __all__ = ["AutoBackend", "HierarchicalProcessGroup", "machine_of"]
 
@@ -143,6 +143,7 @@ class HierarchicalProcessGroup(ChannelProcessGroup):
     def check_members(self, ranks: list[int], what: str) -> None:
         if self._parts:
             self._parts[0].check_members(ranks, what)  # this machine's ranks: their pids are watched
+        check_connections(self.transport, ranks, what)  # the others: their connections
 
     def _cancel_pending(self, cause: BaseException) -> None:
         for part in self._parts:
@@ -174,6 +175,12 @@ class AutoBackend(BackendFactory):
             transport = open_transport(store, rank, size, timeout, world)
             pg = HierarchicalProcessGroup(store, transport, rank, list(range(size)), machines, "default",
                                           timeout, local_ranks)
+            if eager_connect(size):  # as tcp does (and a rank of another machine dying is seen at once)
+                try:
+                    transport.connect_all(list(range(size)))
+                except BaseException:
+                    pg.shutdown()
+                    raise
         pg.backend_name = "auto"
         return pg
 

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from ..backend_registry import Backend, BackendFactory
-from ..errors import DistError
+from ..errors import DistBackendError, DistError
 from ..store import Store
 from ..store.exchange import forget_when_passed
 from ..store.tcp_client import TCPStore
@@ -37,6 +37,18 @@ class TcpProcessGroup(ChannelProcessGroup):
         """Open every connection of this group now instead of on first use."""
         self.channel.connect_all()  # type: ignore[attr-defined]  # a TcpTransport channel
 
+    def check_members(self, ranks: list[int], what: str) -> None:
+        check_connections(self.transport, ranks, what)
+
+
+def check_connections(transport: TcpTransport, ranks: list[int], what: str) -> None:
+    """Raise :class:`DistBackendError` naming the first of ``ranks`` whose connection
+    ``transport`` lost (``what``: what this rank was doing)."""
+    lost = transport.lost_peer(ranks)
+    if lost is not None:
+        rank, error = lost
+        raise DistBackendError(f"{error}; this rank was {what}", peer=rank)
+
 
 def group_id(name: str) -> int:
     """The 64-bit id a group's frames carry on the wire."""
@@ -48,7 +60,8 @@ def group_id(name: str) -> int:
 EAGER_CONNECT_MAX = 64
 
 
-def _eager(size: int) -> bool:
+def eager_connect(size: int) -> bool:
+    """Whether a world of ``size`` ranks connects every pair at initialisation."""
     setting = os.environ.get("DISTCOMM_EAGER_CONNECT", "").strip().lower()
     if setting in ("1", "true", "yes", "on"):
         return True
@@ -81,7 +94,7 @@ class TcpBackend(BackendFactory):
     def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None, **_: Any):
         transport = open_transport(store, rank, size, timeout, world)
         pg = TcpProcessGroup(transport, list(range(size)), "default", timeout)
-        if _eager(size):
+        if eager_connect(size):
             pg.connect_all()
         return pg
 

@@ -295,6 +295,15 @@ class TcpTransport:
             if r != self.rank:
                 self._await_up(self._peers[r], deadline)
 
+    def lost_peer(self, ranks: list[int]) -> tuple[int, BaseException] | None:
+        """The first of ``ranks`` whose connection ended (its process exited, the
+        network failed), with the error that ended it; None if none did."""
+        for r in ranks:
+            p = self._peers.get(r)
+            if p is not None and p.state == "dead" and p.error is not None:
+                return r, p.error
+        return None
+
     def post_send(
         self, peer: int, group: int, tag: int, view: memoryview, members: Mapping[int, int]
     ) -> Request:
