@@ -92,6 +92,7 @@ from ..deadline import Deadline
 from ..errors import DistBackendError, DistDesyncError
 from ..memcopy import copy_into
 from ..reduce_op import mark_of
+from ..transport import hugepages
 from ..transport.base import (
     COLLECTIVE_CODES,
     COLLECTIVE_NAMES,
@@ -236,6 +237,8 @@ class ShmCollectives:
         #: Smallest ``all_to_all`` send buffer whose blocks peers read that way.
         self.alltoall_remote_bytes = max(alltoall_remote_bytes, self.remote_bytes)
         self.remote_calls = 0
+        #: Whether an array peers read in place is first moved onto huge pages (when reused).
+        self.huge_pages = reader is not None and hugepages.wanted()
         if heaps is not None:
             mine = heaps[self.rank]
             self._heap_base = data_address(mine)
@@ -360,7 +363,10 @@ class ShmCollectives:
     def _remote_address(self, arr: np.ndarray, off: int) -> int:
         """``arr``'s address for peers to read it with the reader, or 0 (they will not)."""
         if off < 0 and self.reader is not None and arr.nbytes >= self.remote_bytes:
-            return data_address(arr)
+            address = data_address(arr)
+            if self.huge_pages:  # (peers' reads of 4 KiB pages are several times slower)
+                hugepages.prefer_huge_pages(address, arr.nbytes)
+            return address
         return 0
 
     @property
