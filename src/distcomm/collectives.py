@@ -356,6 +356,11 @@ def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None
     if pg is None:
         return None
     root = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
+    if root is None and pg.size() == 1:  # nothing could ever arrive: fail now, not at the timeout
+        raise DistInputError(
+            f"irecv from any rank on group {getattr(pg, 'group_name', '?')!r}, whose only member is "
+            "this rank: no other rank can send; pass src, or use a group with other members"
+        )
     return pg.recv(tensor, root, tag)
 
 
@@ -406,6 +411,13 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Start every send and receive in the list; return their Works."""
     if not isinstance(p2p_op_list, (list, tuple)) or not all(isinstance(p, P2POp) for p in p2p_op_list):
         raise DistTypeError("batch_isend_irecv takes a list of P2POp")
+    for p in p2p_op_list:  # every peer checked before anything is posted
+        pg = _member(p.group)
+        if pg is not None:
+            peer = _group_rank(pg, p.peer, p.group_peer, "peer")
+            if peer == pg.rank():
+                raise DistInputError(f"{p!r}: peer {pg.ranks[peer]} is this rank; a rank cannot "
+                                     "send to or receive from itself")
     works = []
     for p in p2p_op_list:
         if p.op is isend:

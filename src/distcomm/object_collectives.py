@@ -620,7 +620,8 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
     """Receive objects sent by :func:`send_object_list` into ``object_list``.
 
     ``src`` is a global rank (``group_src``: a group rank); with neither, the
-    first sender wins.  ``object_list`` must have as many entries as the
+    first sender wins (on a group with no other member that raises at once:
+    nothing could arrive).  ``object_list`` must have as many entries as the
     sender's list.  Returns the sender's global rank (-1 on a non-member).
     Only use it with trusted peers: the bytes received are unpickled.
     ``use_batch``: as in :func:`send_object_list`.
@@ -638,6 +639,12 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
             raise DistInputError(
                 f"src={pg.ranks[peer]} is this rank; a rank cannot receive objects from itself"
             )
+    elif pg.size() == 1:  # nobody could ever send: fail now, not after the timeout
+        raise DistInputError(
+            f"recv_object_list from any rank on group {pg.group_name!r}, whose only member is this "
+            "rank: no other rank can send; pass src, or use a group with other members",
+            op=op, group=pg.group_name, rank=pg.ranks[0],
+        )
     header = np.zeros(2, _INT64)
     sender = _c.recv(header, group=pg, tag=OBJECT_TAG, group_src=peer)
     sender_group_rank = pg.ranks.index(sender)

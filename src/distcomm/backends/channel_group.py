@@ -515,7 +515,8 @@ class ChannelProcessGroup(ProcessGroup):
             raise DistTypeError(f"{what} must be an int rank, got {type(peer).__name__}")
         self._check_root(peer, what)
         if peer == self._rank:
-            raise DistInputError(f"{what}={peer} is this rank; a rank cannot send to or receive from itself")
+            me = self.ranks[peer] if self.ranks[peer] == peer else f"{self.ranks[peer]} (group rank {peer})"
+            raise DistInputError(f"{what}={me} is this rank; a rank cannot send to or receive from itself")
 
     @staticmethod
     def _check_tag(tag: Any) -> int:

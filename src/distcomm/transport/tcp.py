@@ -162,6 +162,17 @@ class _Out:
         self.sent = 0
 
 
+class _Held(SendRequest):
+    """A small send posted while an earlier message of its (group, tag) awaited its grant:
+    complete at once (like any small send), its frame written right after that message."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, peer: int, group: int, tag: int, frame: bytes, members: Mapping[int, int]) -> None:
+        super().__init__(peer, group, tag, memoryview(frame)[_HDR:], members)
+        self.frame = frame
+
+
 class _Peer:
     """Everything about the connection to one other process."""
 
@@ -309,7 +320,8 @@ class TcpTransport:
     ) -> Request:
         n = len(view)
         p = self._peers.get(peer)
-        if n <= _COPY_BYTES and p is not None and not p.out and not p.grants and p.state == "up" \
+        if n <= _COPY_BYTES and p is not None and not p.out and not p.grants and not p.waiting \
+                and p.state == "up" \
                 and group not in self._aborted and (not self._left or (group, peer) not in self._left):
             # the common small case: one frame, written now, no request object
             frame = w.HEADER.pack(w.DATA, group, tag, n) + view
@@ -344,10 +356,21 @@ class TcpTransport:
                 req.complete(p.error if p.state == "dead" else left or self._aborted[group])
                 return req
             key = (group, tag)
-            granted = p.grants.pop(key, 0) if p.grants else 0
-            if granted > 1:  # (spent grants leave: tags are not reused, the dict must not grow)
-                p.grants[key] = granted - 1
-            if n <= _COPY_BYTES:  # tiny: one buffer, one write
+            behind = p.waiting.get(key) if p.waiting else None
+            granted = 0
+            if p.grants and not behind and n > EAGER_BYTES and not is_eager(tag):
+                # (only a send that needs the grant takes it: a smaller one before it must not)
+                granted = p.grants.pop(key, 0)
+                if granted > 1:  # (spent grants leave: tags are not reused, the dict must not grow)
+                    p.grants[key] = granted - 1
+            if behind:  # an earlier message of (group, tag) awaits its grant: never overtake it
+                if n <= EAGER_BYTES:  # a copy goes right after that message's payload
+                    behind.append(_Held(peer, group, tag, w.HEADER.pack(w.DATA, group, tag, n) + view,
+                                        members))
+                    req.complete()
+                else:  # its RTS goes once the messages before it left (see _granted)
+                    behind.append(req)
+            elif n <= _COPY_BYTES:  # tiny: one buffer, one write
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n) + view, None, req))
             elif n <= EAGER_BYTES or granted or is_eager(tag):  # done once the kernel has it
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n), view, req))
@@ -358,6 +381,20 @@ class TcpTransport:
             self._connect(p)
         self._flush(p)
         return req
+
+    def _granted(self, p: _Peer, key: tuple[int, int], queue: deque[SendRequest]) -> None:
+        """The grant of the first send in ``queue`` (``p.waiting[key]``) came: its payload goes,
+        then the small sends held behind it, then the RTS of the next large one, which stays
+        first (lock held).  One RTS at a time per (group, tag): the receiver sees every message
+        of a tag in the order they were sent, as it matches them."""
+        req = queue.popleft()
+        self._queue(p, _Out(w.HEADER.pack(w.DATA, *key, len(req.view)), req.view, req))
+        while queue and type(queue[0]) is _Held:
+            self._queue(p, _Out(queue.popleft().frame, None, None))
+        if queue:
+            self._queue(p, _Out(w.HEADER.pack(w.RTS, *key, len(queue[0].view)), None, None))
+        else:
+            del p.waiting[key]
 
     def post_recv(
         self, peer: int | None, group: int, tag: int, view: memoryview, members: Mapping[int, int]
@@ -1098,10 +1135,7 @@ class TcpTransport:
                     key = (group, tag)
                     queue = p.waiting.get(key)
                     if queue:
-                        req = queue.popleft()
-                        if not queue:
-                            del p.waiting[key]
-                        self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, len(req.view)), req.view, req))
+                        self._granted(p, key, queue)
                     else:
                         p.grants[key] = p.grants.get(key, 0) + 1
                 if threading.current_thread() is self._thread:
