@@ -7,7 +7,8 @@ prints the loss and accuracy of each epoch and, at the end, checks that every
 rank holds bitwise identical weights.
 
     distcomm run --standalone --nproc-per-node 4 examples/train.py
-    python examples/train.py            # one process, no launcher needed
+    mpirun -n 4 python examples/train.py   # (or torchrun, srun: any launcher distcomm recognises)
+    python examples/train.py               # one process, no launcher needed
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import numpy as np
 
 import distcomm as dist
+from distcomm.launch.environment import detect
 
 
 def make_data(rank: int, samples: int, features: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     check_args(parser, args)
 
-    if "RANK" in os.environ:
+    if "RANK" in os.environ or detect(os.environ) is not None:  # distcomm run, torchrun, mpirun, srun
         dist.init_process_group()  # started by a launcher: everything comes from the environment
     else:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # alone

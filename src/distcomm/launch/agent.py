@@ -509,6 +509,8 @@ class Agent:
         assert code is not None
         what = f"rank {w.spec.rank} (local rank {w.spec.local_rank}, pid {w.pid}) {describe_exit(code)}"
         others = sum(1 for x in self.workers if x.returncode is None)
+        # Ranks that had left (code 0) before: a peer waiting for them waits in vain.
+        gone = [x.spec.rank for x in self.workers if x is not w and x.returncode == 0 and not x.stopped_by_us]
         self._release(w)  # its last output first, then our report
         _say(f"{what}; stopping the other {others} worker{'s' if others != 1 else ''}" if others else what)
         if code < 0:  # killed: it said nothing; the others may say what they saw of it
@@ -526,6 +528,12 @@ class Agent:
             return None
         tail = w.stderr.tail_text()
         report = [f"{what}; no restarts left (--max-restarts {self.cfg.max_restarts})"]
+        if gone:
+            ranks = f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}"
+            them = "them" if len(gone) > 1 else "it"
+            report.append(f"before that, {ranks} exited with code 0 while the others ran; ranks "
+                          f"waiting for {them} (in init_process_group or a collective) wait until "
+                          "their timeout")
         if tail:
             report.append(f"last lines of rank {w.spec.rank}'s stderr:")
             report.extend(f"  {line}" for line in tail)

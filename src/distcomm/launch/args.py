@@ -25,6 +25,8 @@ from .output import parse_std_spec
 __all__ = ["RunConfig", "UsageError", "add_arguments", "to_config"]
 
 DEFAULT_MASTER_PORT = 29500
+#: torchrun's port for a c10d ``--rdzv-endpoint`` given without one.
+DEFAULT_RDZV_PORT = 29400
 #: torchrun's defaults for --rdzv-conf keys (seconds).
 DEFAULT_JOIN_TIMEOUT = 600.0
 DEFAULT_LAST_CALL = 30.0
@@ -89,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "one node: a free port)")
     flag("standalone", action="store_true", help="one node, store on a free local port")
     flag("rdzv-backend", default=None, help="c10d (with --rdzv-endpoint) or static")
-    flag("rdzv-endpoint", default="", metavar="HOST:PORT",
-         help="store for elastic membership; the launcher on HOST hosts it")
+    flag("rdzv-endpoint", default="", metavar="HOST[:PORT]",
+         help="store for elastic membership; the launcher on HOST hosts it (port default 29400)")
     flag("rdzv-id", default="", help="job id: launchers with the same id form one job")
     flag("rdzv-conf", default="", metavar="K=V,...",
          help=f"join_timeout (default {DEFAULT_JOIN_TIMEOUT:g}), "
@@ -148,14 +150,23 @@ def _nnodes(text: str) -> tuple[int, int]:
     return pair
 
 
-def _endpoint(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` of ``--rdzv-endpoint`` (``[v6]:PORT`` too), checked and resolvable."""
-    host, _, port_text = text.rpartition(":")
+def _endpoint(text: str, default_port: int | None) -> tuple[str, int]:
+    """``HOST[:PORT]`` of ``--rdzv-endpoint`` (``[v6]:PORT`` too), checked and resolvable;
+    without a port, ``default_port`` (torchrun's 29400 for c10d), or an error if None."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]") or ":" not in text:
+        host, port_text = text, None  # no port: "host", "[::1]"
+    else:
+        host, _, port_text = text.rpartition(":")
     host = host.strip("[]")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise UsageError(f"--rdzv-endpoint {text!r}: expected HOST:PORT") from None
+    if port_text is None and default_port is not None:
+        port = default_port
+    else:
+        try:
+            port = int(port_text or "")
+        except ValueError:
+            need = "HOST:PORT" if default_port is None else "HOST or HOST:PORT"
+            raise UsageError(f"--rdzv-endpoint {text!r}: expected {need}") from None
     _port(port, "--rdzv-endpoint port")
     if not host or port == 0:
         raise UsageError(f"--rdzv-endpoint {text!r}: expected HOST:PORT")
@@ -230,16 +241,34 @@ def _command(args: argparse.Namespace) -> list[str]:
         raise UsageError("-m and --no-python cannot be combined")
     if no_python:
         if shutil.which(script) is None:
-            raise UsageError(f"program {script!r} not found (or not executable)")
+            raise UsageError(_not_runnable(script))
         return [script, *rest]
     if args.module:
+        if script.endswith(".py") and os.path.isfile(script):  # python would import it, then fail
+            raise UsageError(f"-m {script}: expected a module name, not a file: -m {script[:-3]}, "
+                             f"or {script} without -m")
         top = script.split(".")[0]
         if not _module_found(top):
             raise UsageError(f"no module named {top!r} (for -m {script})")
         return [sys.executable, "-u", "-m", script, *rest]
-    if not os.path.isfile(script):
+    if os.path.isdir(script):  # python runs a directory (as a zip file) through its __main__
+        if importlib.machinery.PathFinder.find_spec("__main__", [script]) is None:
+            raise UsageError(f"script {script!r} is a directory without a __main__.py; "
+                             "expected a Python file, or a directory or zip file with a __main__.py")
+    elif not os.path.isfile(script):
         raise UsageError(f"script {script!r} not found")
     return [sys.executable, "-u", script, *rest]
+
+
+def _not_runnable(program: str) -> str:
+    """Why ``--no-python PROGRAM`` cannot be started, in one line."""
+    if os.path.isfile(program) and not os.access(program, os.X_OK):
+        return (f"program {program!r} is not executable (chmod +x it; for a Python script "
+                "drop --no-python)")
+    if os.path.isfile(program) and os.sep not in program:  # as in a shell, only PATH is searched
+        return (f"program {program!r} is not on PATH; for the file in this directory "
+                f"give its path: ./{program}")
+    return f"program {program!r} not found (or not executable)"
 
 
 def _module_found(top: str) -> bool:
@@ -293,6 +322,11 @@ def to_config(args: argparse.Namespace) -> RunConfig:
             if args.local_ranks_filter else None
     except ValueError:
         raise UsageError(f"--local-ranks-filter {args.local_ranks_filter!r}: expected 0,1,...") from None
+    if ranks_filter is not None and not ranks_filter <= set(range(nproc)):
+        bad = sorted(ranks_filter - set(range(nproc)))
+        raise UsageError(f"--local-ranks-filter {args.local_ranks_filter!r}: no local rank "
+                         f"{', '.join(map(str, bad))} here; expected local ranks 0..{nproc - 1} "
+                         f"(--nproc-per-node {nproc})")
     node_rank: int | None = args.node_rank if args.node_rank is not None else 0
     host_store = "no"
     if args.standalone:
@@ -300,7 +334,7 @@ def to_config(args: argparse.Namespace) -> RunConfig:
             raise UsageError(f"--standalone runs one node; got --nnodes {args.nnodes}")
         host, port, host_store, node_rank = "127.0.0.1", args.master_port or 0, "yes", 0
     elif args.rdzv_endpoint and args.rdzv_backend != "static":
-        host, port = _endpoint(args.rdzv_endpoint)
+        host, port = _endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT)
         host_store, node_rank = ("try" if _is_local(host) else "no"), None
     else:
         if nnodes[0] != nnodes[1]:
@@ -308,7 +342,7 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         if not 0 <= node_rank < nnodes[0]:
             raise UsageError(f"--node-rank {node_rank}: expected 0..{nnodes[0] - 1} for --nnodes {nnodes[0]}")
         if args.rdzv_endpoint:  # static: torchrun takes the endpoint over --master-addr/--master-port
-            host, port = _endpoint(args.rdzv_endpoint)
+            host, port = _endpoint(args.rdzv_endpoint, None)
         else:
             host = args.master_addr
             _resolve(host, "--master-addr")

@@ -5,8 +5,8 @@ to its group reaches whatever it started too, and Ctrl-C on the terminal
 reaches only the launcher, which forwards it.  Before ``exec`` the child
 asks Linux to SIGKILL it when the launcher dies (``PR_SET_PDEATHSIG``) and
 checks that the launcher is still its parent, so even a SIGKILLed launcher
-leaves no worker behind.  Standard input is ``/dev/null``; stdout and stderr
-are pipes the launcher reads (non-blocking).
+leaves no worker behind.  Standard input is the launcher's (as under
+torchrun); stdout and stderr are pipes the launcher reads (non-blocking).
 """
 
 from __future__ import annotations
