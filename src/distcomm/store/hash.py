@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
+from ..errors import DistTypeError
 from .base import Store, apply_add, apply_compare_set, timeout_error, visible
 
 __all__ = ["HashStore"]
@@ -21,6 +22,12 @@ class HashStore(Store):
         super().__init__(timeout)
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
+
+    def __reduce__(self) -> object:
+        raise DistTypeError(
+            "HashStore cannot be pickled: it lives in one process (threads share it); "
+            "use a TCPStore or FileStore to share keys between processes"
+        )
 
     def _put(self, key: str, value: bytes) -> None:
         self._data[key] = value

@@ -5,14 +5,16 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ..deadline import Timeout
-from ..errors import DistTypeError
-from .base import Store, check_key
+from ..errors import DistInputError, DistTypeError
+from .base import MAX_KEY_BYTES, Store, check_key
 
 __all__ = ["PrefixStore"]
 
 
 class PrefixStore(Store):
     """Adds ``prefix + "/"`` to each key before it reaches ``store``.
+
+    An empty prefix is allowed (keys become ``/key``), as in torch.
 
     The timeout is the underlying store's (``set_timeout`` changes it there),
     and ``num_keys`` counts the underlying store's keys, as torch does;
@@ -29,7 +31,16 @@ class PrefixStore(Store):
             raise DistTypeError(
                 f"PrefixStore needs a distcomm Store to wrap, got {type(store).__name__}"
             )
-        self._prefix = check_key(prefix) + "/"
+        if not isinstance(prefix, str):
+            raise DistTypeError(f"PrefixStore prefix must be str, got {type(prefix).__name__}")
+        if "\0" in prefix:
+            raise DistInputError(f"PrefixStore prefix {prefix!r:.60} must not contain NUL")
+        self._prefix = prefix + "/"
+        if len(self._prefix.encode()) >= MAX_KEY_BYTES:
+            raise DistInputError(
+                f"PrefixStore prefix is {len(prefix.encode())} bytes long; keys under it must fit "
+                f"in {MAX_KEY_BYTES} bytes"
+            )
         self._store = store
 
     @property

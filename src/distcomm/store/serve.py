@@ -9,6 +9,8 @@ import sys
 import threading
 
 from ..errors import DistError
+from . import auth
+from .tcp_client import _bare_host, is_loopback
 from .tcp_server import StoreServer
 
 
@@ -18,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="WARNING", type=str.upper, choices=LEVELS,
         help="logging level of the server (default: WARNING)",
+    )
+    parser.epilog = (
+        f"Authentication: with {auth.ENV_VAR} set, only clients that know the same token "
+        "(in their environment, or TCPStore(auth_token=...)) are served; without it, any "
+        "process that reaches the port can read and change the store."
     )
 
 
@@ -33,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
         print("distcomm store: --host must name an address (0.0.0.0: every IPv4 one)", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host = _bare_host(args.host)
     try:
-        server = StoreServer(args.host, args.port)
+        server = StoreServer(host, args.port)
     except (OSError, DistError) as e:
         print(f"distcomm store: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
@@ -45,7 +53,20 @@ def run(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        print(f"distcomm store serving on {args.host}:{server.port}", flush=True)
+        shown = f"[{host}]:{server.port}" if ":" in host else f"{host}:{server.port}"
+        if server.authenticated:
+            how = f"clients must authenticate with the token in {auth.ENV_VAR}"
+        else:
+            how = f"no authentication: {auth.ENV_VAR} is not set"
+        print(f"distcomm store serving on {shown} ({how})", flush=True)
+        if not server.authenticated and not is_loopback(host):
+            print(
+                f"distcomm store: warning: without {auth.ENV_VAR} any process that can reach "
+                f"port {server.port} can read and change this store; set it (here and in every "
+                "client) to authenticate them",
+                file=sys.stderr,
+                flush=True,
+            )
         while not stop.wait(0.5):
             pass
     finally:

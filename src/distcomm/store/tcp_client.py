@@ -116,6 +116,7 @@ class TCPStore(Store):
         self._connected_once = False  # then refused reconnects fail fast (the server is gone)
         self._fork_gen = _fork_generation[0]
         self._lock = threading.Lock()
+        self._close_lock = threading.Lock()
         self._closed = False
         try:
             if is_master:
@@ -137,6 +138,12 @@ class TCPStore(Store):
     @property
     def port(self) -> int:
         return self._port
+
+    @property
+    def _addr(self) -> str:
+        """``host:port`` for messages (an IPv6 address in brackets)."""
+        host = _bare_host(self._host)
+        return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
 
     @property
     def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
@@ -162,8 +169,8 @@ class TCPStore(Store):
                 )
             except OSError as e:
                 raise DistNetworkError(
-                    f"cannot start the store server on {self._host}:{self._port}: {e.strerror or e}",
-                    addr=f"{self._host}:{self._port}",
+                    f"cannot start the store server on {self._addr}: {e.strerror or e}",
+                    addr=self._addr,
                 ) from e
             self._server = server
             self._port = server.port
@@ -190,15 +197,17 @@ class TCPStore(Store):
 
     def _connect(self, deadline: Deadline) -> None:
         """Connect and handshake, retrying with backoff until ``deadline``."""
-        addr = f"{self._host}:{self._port}"
+        addr = self._addr
         delay = CONNECT_BACKOFF_START
         attempts = 0
         refused_since: float | None = None
         while True:
+            if self._closed:  # closed by another thread while this one (re)connects
+                raise self._closed_error("connect")
             attempts += 1
             try:
                 sock = socket.create_connection(
-                    (self._host, self._port), timeout=max(0.05, min(deadline.remaining(), 10.0))
+                    (_bare_host(self._host), self._port), timeout=max(0.05, min(deadline.remaining(), 10.0))
                 )
             except OSError as e:
                 if self._connected_once and isinstance(e, ConnectionRefusedError):
@@ -336,7 +345,7 @@ class TCPStore(Store):
         budget = budget + max(2.0, 0.1 * budget)
         with self._lock:
             if self._closed:
-                raise DistStoreError(f"TCPStore {self._host}:{self._port} is closed", op=p.OP_NAMES[op])
+                raise self._closed_error(p.OP_NAMES[op])
             if self._sock is None or self._fork_gen != _fork_generation[0]:
                 # First use after a fork, or after a broken connection.
                 self._sock = None
@@ -353,8 +362,10 @@ class TCPStore(Store):
                 status, out = self._read_frame(sock)
             except (TimeoutError, BlockingIOError):
                 self._reset()
+                if self._closed:
+                    raise self._closed_error(p.OP_NAMES[op]) from None
                 raise DistStoreTimeoutError(
-                    f"store {p.OP_NAMES[op]} got no answer from {self._host}:{self._port} "
+                    f"store {p.OP_NAMES[op]} got no answer from {self._addr} "
                     f"within {budget:g} s",
                     op=p.OP_NAMES[op],
                     key=key,
@@ -362,11 +373,13 @@ class TCPStore(Store):
                 ) from None
             except (OSError, p.BadFrame) as e:
                 self._reset()
+                if self._closed:  # close() in another thread woke this request
+                    raise self._closed_error(p.OP_NAMES[op]) from None
                 raise DistNetworkError(
-                    f"store {p.OP_NAMES[op]}: connection to {self._host}:{self._port} broke ({e})",
+                    f"store {p.OP_NAMES[op]}: connection to {self._addr} broke ({e})",
                     op=p.OP_NAMES[op],
                     key=key,
-                    addr=f"{self._host}:{self._port}",
+                    addr=self._addr,
                 ) from e
         if status == p.OK:
             return out
@@ -456,7 +469,7 @@ class TCPStore(Store):
 
     def _clone(self) -> TCPStore:
         if self._closed:
-            raise DistStoreError(f"TCPStore {self._host}:{self._port} is closed", op="clone")
+            raise self._closed_error("clone")
         twin = TCPStore(
             self._host,
             self._port,
@@ -477,11 +490,22 @@ class TCPStore(Store):
 
     # -- teardown ----------------------------------------------------------
     def close(self) -> None:
-        """Close the connection; the master also stops its server.  Idempotent."""
-        with self._lock:
+        """Close the connection; the master also stops its server.  Idempotent.
+
+        A request another thread has in flight (a blocked ``get``, say) fails
+        at once with "is closed" instead of holding ``close`` up until it times out.
+        """
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        sock = self._sock
+        if sock is not None and self._fork_gen == _fork_generation[0]:
+            try:  # wakes a thread blocked on this socket; it sees _closed and gives up
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self._lock:
             self._reset()
             server, self._server = self._server, None
         if server is None:
@@ -496,6 +520,15 @@ class TCPStore(Store):
                     del _tenants[self._tenant_port]
         server.close()
 
+    def __reduce__(self) -> object:
+        raise DistTypeError(
+            f"TCPStore {self._addr} cannot be pickled (it owns a connection); pass the host and "
+            "port to the other process and create a TCPStore there"
+        )
+
+    def _closed_error(self, op: str) -> DistStoreError:
+        return DistStoreError(f"TCPStore {self._addr} is closed", op=op)
+
     def __del__(self) -> None:
         try:
             if not getattr(self, "_closed", True):
@@ -505,7 +538,7 @@ class TCPStore(Store):
 
     def __repr__(self) -> str:
         role = "master" if self._is_master else "client"
-        return f"TCPStore({self._host}:{self._port}, {role})"
+        return f"TCPStore({self._addr}, {role})"
 
 
 class _TimeoutAnswer(Exception):
@@ -532,9 +565,14 @@ def _recv(sock: socket.socket, n: int) -> bytes:
     return recv_exact(sock, n, "the server closed the connection during the handshake")
 
 
+def _bare_host(host: str) -> str:
+    """``host`` without the brackets of an IPv6 address written as ``[::1]``."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def _bind_host(host: str) -> str:
     """Where the master listens: loopback only if ``host`` is loopback, else everywhere."""
-    bare = host.strip("[]")
+    bare = _bare_host(host)
     if is_loopback(bare):
         return bare.lower()
     return "::" if ":" in bare else "0.0.0.0"
