@@ -923,6 +923,9 @@ def run_async(rank: int, world_size: int, backend: str, port: int) -> Report:
             rep.cases += 1
             if f.result(timeout=30) is not obj:
                 rep.fail(f"get_future() result is {type(f.result()).__name__}, not the output object")
+            want = obj if isinstance(obj, list) else [obj]  # torch's names: a list of the outputs
+            if len(f.value()) != len(want) or any(a is not b for a, b in zip(f.value(), want, strict=True)):
+                rep.fail(f"get_future().value() is {f.value()!r:.80}, expected torch's list of outputs")
         rep.reduced("async all_reduce", t_ar, reference("SUM", "float32", ar), "float32", ws)
         rep.reduced("async 4 MiB all_reduce MAX", t_big, reference("MAX", "float64", big), "float64", ws)
         rep.exact("async broadcast", bc, make("int64", 7, ws - 1, "async/bc"))
@@ -957,15 +960,16 @@ def run_async(rank: int, world_size: int, backend: str, port: int) -> Report:
                     rep.fail("value() of a future not done returned")
             except dist.DistInputError:
                 pass
-            chained = fut.then(lambda f: int(f.value().sum()))
+            chained = fut.then(lambda f: int(f.value()[0].sum()))  # torch's list of outputs
             for r in range(1, ws):  # now the others may join
                 dist.send(np.ones(1, np.int8), dst=r, tag=77)
             w.wait()  # the op went on despite the short wait above
             rep.cases += 1
             if not done.wait(5) or fut.result() is not x:
                 rep.fail("get_future() done callback did not run with the result")
-            if fut.wait() is not x or fut.value() is not x or chained.wait() != 3 * ws * (ws + 1) // 2:
-                rep.fail(f"future wait()/value()/then() gave {fut.wait()!r}, {chained.wait()!r}")
+            listed = fut.wait(), fut.value(), w.result()
+            if any(len(v) != 1 or v[0] is not x for v in listed) or chained.wait() != 3 * ws * (ws + 1) // 2:
+                rep.fail(f"future wait()/value(), Work.result(), then() gave {listed!r}, {chained.wait()!r}")
         else:
             dist.recv(np.zeros(1, np.int8), src=0, tag=77)
             dist.all_reduce(x)

@@ -71,7 +71,7 @@ def _many_p2p_futures(rank: int, world_size: int, backend: str, port: int) -> li
         threads = threading.active_count()
         bufs = [np.zeros(2) for _ in range(PENDING)]
         futs = [dist.irecv(bufs[i], peer, tag=100 + i).get_future() for i in range(PENDING)]
-        chained = [f.then(lambda f: float(f.value()[0]) + 1) for f in futs]
+        chained = [f.then(lambda f: float(f.value()[0][0]) + 1) for f in futs]
         extra = threading.active_count() - threads
         if extra > 1:
             bad.append(f"{PENDING} receive futures in flight started {extra} threads")

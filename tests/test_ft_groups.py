@@ -271,7 +271,8 @@ def test_dummy_group():
     assert pg.size() == 1 and pg.rank() == 0
     assert pg.allreduce(x, dist.ReduceOp.SUM).wait()
     assert pg.allgather([np.zeros(3)], x).is_completed()
-    assert pg.broadcast(x, 0).result() is x and x.tolist() == [0.0, 1.0, 2.0]
+    out = pg.broadcast(x, 0).result()  # torch's list of outputs
+    assert len(out) == 1 and out[0] is x and x.tolist() == [0.0, 1.0, 2.0]
     dist.all_reduce(x, group=pg) if dist.is_initialized() else None
     pg.configure("127.0.0.1:1/x", 0, 1)
     assert pg.configure_count == 1

@@ -107,7 +107,7 @@ def test_work_synchronize_waits_and_block_current_stream_returns_at_once():
     timer.start()
     ok.synchronize()  # waits for the result
     timer.join()
-    assert ok.is_completed() and ok.result() == 42
+    assert ok.is_completed() and ok.result() == [42]
     failed._finish(error=DistTimeoutError("all_reduce timed out"))
     with pytest.raises(DistTimeoutError, match="timed out"):
         failed.synchronize()

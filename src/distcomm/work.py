@@ -22,19 +22,39 @@ from .transport.matching import _Flag
 __all__ = ["DistFuture", "Work"]
 
 
+def torch_value(result: Any) -> list:
+    """An operation's outputs as torch's ``Work.result()`` and ``Future.value()`` give them:
+    a list (``[output]`` for one output, the list itself for a list of outputs, ``[]`` for
+    none), so that code indexing it (``fut.value()[0]``) gets the output, not its first element."""
+    if result is None:
+        return []
+    return result if isinstance(result, list) else [result]
+
+
 class DistFuture(Future):
     """A :class:`concurrent.futures.Future` that also answers torch.futures.Future's
-    ``wait()``, ``value()`` and ``then()``, so code written for torch's futures runs."""
+    ``wait()``, ``value()`` and ``then()``, so code written for torch's futures runs.
+
+    The future of a Work resolves with the operation's output (``result()``, the
+    concurrent.futures name); under torch's names (``wait()``, ``value()``) it gives
+    torch's list of outputs (:func:`torch_value`).  A future made by ``then`` gives
+    the callback's return value under every name, as torch's does.
+    """
+
+    #: Whether ``wait()`` and ``value()`` give torch's list of outputs (a Work's future).
+    _listed = False
 
     def wait(self) -> Any:
         """Block until done; return the value or raise the error (torch's ``wait``)."""
-        return self.result()
+        value = self.result()
+        return torch_value(value) if self._listed else value
 
     def value(self) -> Any:
         """The value of a future that is done (raise its error); an error if it is not done."""
         if not self.done():
             raise DistInputError("value() of a future that is not done yet; call wait() first")
-        return self.result()
+        value = self.result()
+        return torch_value(value) if self._listed else value
 
     def then(self, callback: Callable[[DistFuture], Any]) -> DistFuture:
         """A future resolved with ``callback(self)`` once this one is done (with the error the
@@ -126,10 +146,11 @@ class Work:
         """The operation's error, or None (does not wait)."""
         return self._error
 
-    def result(self) -> Any:
-        """Wait, then return the operation's outputs."""
+    def result(self) -> list:
+        """Wait, then return the operation's outputs as torch does: a list (see
+        :func:`torch_value`; ``get_future().result()`` gives the output itself)."""
         self.wait()
-        return self._result
+        return torch_value(self._result)
 
     def source_rank(self) -> int:
         """For a receive from any rank: the rank the message came from."""
@@ -143,11 +164,12 @@ class Work:
         return self.source_rank()
 
     def get_future(self) -> DistFuture:
-        """A ``concurrent.futures.Future`` (a :class:`DistFuture`) resolved with the result (or
-        the error)."""
+        """A ``concurrent.futures.Future`` (a :class:`DistFuture`) resolved with the output (or
+        the error); its ``wait()`` and ``value()`` give torch's list of outputs."""
         with self._lock:
             if self._future is None:
                 self._future = self._new_future()
+                self._future._listed = True
                 self._future.set_running_or_notify_cancel()
                 if self._done.is_set():
                     _resolve(self._future, self._result, self._error)

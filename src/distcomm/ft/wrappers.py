@@ -28,7 +28,7 @@ from ..deadline import Timeout
 from ..errors import DistBackendError, DistInputError, DistTypeError
 from ..group import ProcessGroup
 from ..reduce_op import ReduceOp, check_op
-from ..work import DistFuture, Work, completed
+from ..work import DistFuture, Work, completed, torch_value
 from .reconfigurable import COLLECTIVES
 
 __all__ = [
@@ -214,12 +214,13 @@ class _SwallowingWork(Work):
     def exception(self) -> BaseException | None:
         return None
 
-    def result(self) -> Any:
+    def result(self) -> list:
         self.wait()
-        return self._value
+        return torch_value(self._value)
 
     def get_future(self) -> DistFuture:
         fut = DistFuture()
+        fut._listed = True
         fut.set_running_or_notify_cancel()
 
         def done(_: Future) -> None:
