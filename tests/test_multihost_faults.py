@@ -60,6 +60,34 @@ except Exception as e:
 """
 
 
+#: After the test cuts the network, both ranks wait on each other: in a collective, or in
+#: point-to-point receives (which send nothing on their own).
+SILENT_PROG = """
+import os, sys, time
+from datetime import timedelta
+import numpy as np
+import distcomm as dist
+d, mode = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+dist.init_process_group(os.environ["BACKEND"], timeout=timedelta(seconds=120))
+x = np.ones(3)
+dist.all_reduce(x)
+open(os.path.join(d, "ready" + os.environ["RANK"]), "w").close()
+while not os.path.exists(os.path.join(d, "cut")):
+    time.sleep(0.05)
+t0 = time.monotonic()
+try:
+    if mode == "collective":
+        dist.all_reduce(x)
+    else:
+        dist.recv(x, src=1 - rank)
+    print("OK", flush=True)
+except dist.DistBackendError as e:
+    print(f"ERR {time.monotonic() - t0:.1f} {e}", flush=True)
+os._exit(0)  # (no goodbye to a peer that cannot hear it)
+"""
+
+
 @pytest.fixture
 def hosts():
     """Namespaces A and B: (names, addresses, the veth in A, B's dead-end address)."""
@@ -248,3 +276,43 @@ def test_launcher_store_errors_say_what_is_wrong(tmp_path):
     assert other.startswith("distcomm run: error: cannot join the job's store: the store at "), other
     assert "DISTCOMM_AUTH_TOKEN (or auth_token) differs" in other, other
     assert "requires authentication: set DISTCOMM_AUTH_TOKEN" in none, none
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend, mode", [("tcp", "collective"), ("tcp", "p2p"), ("auto", "collective")])
+def test_a_peer_host_gone_silent_fails_the_wait_naming_it(hosts, tmp_path, backend, mode):
+    """The network between the machines drops every packet while both ranks wait on each other:
+    each fails within seconds, naming the other (DISTCOMM_TCP_USER_TIMEOUT=2), instead of at
+    the group timeout (120 s here, 30 min by default), as it did before."""
+    ns, addrs, link, _ = hosts
+    prog = tmp_path / "silent.py"
+    prog.write_text(textwrap.dedent(SILENT_PROG))
+    common = dict(MASTER_ADDR=addrs[0], MASTER_PORT=str(free_port()), WORLD_SIZE="2", BACKEND=backend,
+                  DISTCOMM_TCP_USER_TIMEOUT="2")
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", ns[rank], sys.executable, str(prog), str(tmp_path), mode],
+            env=_env(tmp_path, f"machine{rank}", RANK=str(rank), **common),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    devs = (link, "fb" + link[2:])  # (the veth pair's ends in A and B, see the hosts fixture)
+    try:
+        _wait_for("both ranks ready", lambda: all((tmp_path / f"ready{r}").exists() for r in (0, 1)), procs)
+        # each machine now sends the other's packets to a MAC address nobody has: they vanish,
+        # with the links and routes up (a link set down would answer "network unreachable")
+        for i in (0, 1):
+            assert ip("-n", ns[i], "neigh", "replace", addrs[1 - i], "lladdr", "02:00:00:00:00:01",
+                      "nud", "permanent", "dev", devs[i]).returncode == 0
+        (tmp_path / "cut").touch()
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for i in (0, 1):
+            ip("-n", ns[i], "neigh", "del", addrs[1 - i], "dev", devs[i])
+        _close(procs)
+    for rank, (out, err) in enumerate(outs):
+        assert out.startswith("ERR "), (out, err)
+        seconds = float(out.split()[1])
+        assert seconds < 60, out  # the group timeout is 120 s
+        assert f"lost connection to rank {1 - rank}: its host acknowledged nothing" in out, out

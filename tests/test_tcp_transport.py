@@ -17,7 +17,7 @@ from distcomm.testing import free_port, run_ranks
 from distcomm.transport import tcp_wire
 from distcomm.transport.base import EAGER_STEP, collective_tag, is_eager
 from distcomm.transport.matching import EAGER_BYTES, BufferPool, size_class
-from distcomm.transport.tcp import TcpTransport, spin_seconds
+from distcomm.transport.tcp import USER_TIMEOUT_VAR, TcpTransport, spin_seconds, user_timeout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -265,6 +265,18 @@ def test_spin_setting(monkeypatch):
     assert spin_seconds(cores) > 0 and spin_seconds(cores + 1) == 0.0  # never more ranks than cores
 
 
+def test_user_timeout_setting(monkeypatch):
+    monkeypatch.delenv(USER_TIMEOUT_VAR, raising=False)
+    assert user_timeout() == 30
+    for raw, seconds in (("0", 0), ("2.5", 2.5)):
+        monkeypatch.setenv(USER_TIMEOUT_VAR, raw)
+        assert user_timeout() == seconds
+    for raw in ("soon", "-1", "1e12", "nan"):
+        monkeypatch.setenv(USER_TIMEOUT_VAR, raw)
+        with pytest.raises(DistInputError, match=f"{USER_TIMEOUT_VAR}='{raw}' is not a number of seconds"):
+            user_timeout()
+
+
 def test_early_buffers_are_reused_and_bounded():
     pool = BufferPool(3 << 20)
     a = pool.take(1 << 20)
@@ -398,6 +410,14 @@ def test_the_matcher_fails_a_receive_whose_peer_sent_for_another_collective_of_t
     told = [m.calls_to_tell(every=3) for _ in range(6)]
     assert [len(t) for t in told] == [0, 1, 0, 0, 1, 0]
     assert told[1] == [(1, 7, waiting.tag)]
+
+    # a point-to-point receive waiting two ticks gets its peer probed, then every `every` ticks
+    m = Matcher()
+    m.post(recv(5, peer=2))
+    m.post(recv(6, peer=None))  # from any rank: nobody to probe
+    m.post(recv(collective_tag(coded_seq(9, ar), 0)))  # a collective's: told by CALL instead
+    probed = [m.silent_waits(every=3) for _ in range(6)]
+    assert probed == [[], [2], [], [], [2], []]
 
 
 def test_the_matcher_finds_messages_of_calls_this_rank_finished_without_them():

@@ -324,6 +324,19 @@ class Matcher:
                         due.append((req.bound, group, tag))
         return due
 
+    def silent_waits(self, every: int) -> list[int]:
+        """Peers of the point-to-point receives that waited through a whole tick since they
+        were posted (then every ``every`` ticks): the transport sends them a frame, so that a
+        host that stopped answering is found (``TCP_USER_TIMEOUT``) while this rank waits."""
+        due = []
+        for (_group, tag), posts in self.posts.items():
+            if not tag_code(tag):
+                for req in posts:
+                    req.ticks += 1
+                    if req.bound is not None and req.ticks % every == 2 % every:
+                        due.append(req.bound)
+        return due
+
     def waiting_clash(self, req: RecvRequest) -> BaseException | None:
         """The error for ``req`` if a message its source sent for the same call of another
         collective is already here (kept early, or announced by an RTS)."""

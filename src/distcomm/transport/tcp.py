@@ -130,6 +130,29 @@ _WRITER_POLL_MS = 500
 #: (5 s): ranks waiting on each other in different calls fail within about a second.
 CALL_TICK = 0.5
 CALL_EVERY = 10
+#: Seconds data sent to a peer may stay unacknowledged by its host before the connection
+#: counts as lost (``TCP_USER_TIMEOUT``; 0: the kernel's default, about 15 minutes).  Ranks
+#: waiting on a peer keep sending it something (CALL, or PAD for a point-to-point receive),
+#: so a machine that went away silently (powered off, the network cut) fails the wait
+#: instead of the group timeout; an idle connection is never probed.
+USER_TIMEOUT_VAR = "DISTCOMM_TCP_USER_TIMEOUT"
+
+
+def user_timeout() -> float:
+    """:data:`USER_TIMEOUT_VAR` in seconds (default 30; 0 turns it off)."""
+    raw = os.environ.get(USER_TIMEOUT_VAR, "30")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < 2**31 / 1000:
+        raise DistInputError(
+            f"{USER_TIMEOUT_VAR}={raw!r} is not a number of seconds (expected 0 to turn it off, "
+            "or how long a silent peer host is waited for, e.g. 30)", variable=USER_TIMEOUT_VAR,
+        )
+    return seconds
+
+
 #: Most seconds close() waits for queued frames to leave (peers that must still connect).
 CLOSE_LINGER = 10.0
 #: How long closing waits for peers to close their side of each connection.
@@ -237,6 +260,7 @@ class TcpTransport:
         self._auth = _job_auth(store, auth_token)
         self._refusals = auth.RefusalLog(log, f"rank {rank}'s transport")
         self._timeout = timeout
+        self._user_timeout = user_timeout()
         self._spin = spin_seconds(size)
         self._spin_skip = 0  # waits left that sleep without spinning (see _pump)
         self._mu = threading.Lock()
@@ -694,6 +718,8 @@ class TcpTransport:
 
     def _attach(self, p: _Peer, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._user_timeout and hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self._user_timeout * 1000))
         if _SOCK_BUF:
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 try:
@@ -883,6 +909,11 @@ class TcpTransport:
                 p = self._peers.get(peer)
                 if p is not None and p.state == "up":
                     self._queue(p, _Out(w.HEADER.pack(w.CALL, group, tag, 0), None, None))
+                    told.append(p)
+            for peer in self._matcher.silent_waits(CALL_EVERY) if self._user_timeout else ():
+                p = self._peers.get(peer)
+                if p is not None and p.state == "up":  # an empty PAD: only for its acknowledgement
+                    self._queue(p, _Out(w.HEADER.pack(w.PAD, 0, 0, 0), None, None))
                     told.append(p)
         for p in told:
             self._flush(p)
@@ -1514,9 +1545,13 @@ class TcpTransport:
 
     # -- failure ---------------------------------------------------------------------
     def _lost_async(self, p: _Peer, e: BaseException) -> None:
-        what = "its process exited or closed the connection" if isinstance(
-            e, (ConnectionResetError, BrokenPipeError)
-        ) else str(e)
+        if isinstance(e, (ConnectionResetError, BrokenPipeError)):
+            what = "its process exited or closed the connection"
+        elif isinstance(e, OSError) and e.errno == errno.ETIMEDOUT:
+            what = (f"its host acknowledged nothing this rank sent for {self._user_timeout:g} s "
+                    f"({USER_TIMEOUT_VAR}): the machine or the network to it is down")
+        else:
+            what = str(e)
         with self._mu:
             self._lost(p, lost_peer_error(p.rank, what))
 
