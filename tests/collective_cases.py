@@ -30,6 +30,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -963,7 +964,7 @@ def run_async(rank: int, world_size: int, backend: str, port: int) -> Report:
             chained = fut.then(lambda f: int(f.value()[0].sum()))  # torch's list of outputs
             for r in range(1, ws):  # now the others may join
                 dist.send(np.ones(1, np.int8), dst=r, tag=77)
-            w.wait()  # the op went on despite the short wait above
+            w.wait(timedelta(0))  # torch's default: no timeout (the op went on despite the short wait above)
             rep.cases += 1
             if not done.wait(5) or fut.result() is not x:
                 rep.fail("get_future() done callback did not run with the result")

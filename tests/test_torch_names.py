@@ -96,8 +96,9 @@ def test_torch_spellings_that_older_code_and_libraries_use():
         assert dist.distributed_c10d.get_world_size() == 1
         work = dist.all_reduce(np.ones(2), async_op=True)
         fut = work.get_future()
-        assert (fut.wait() == 1).all() and fut.value() is fut.wait()
-        assert fut.then(lambda f: f.value().sum() * 2).wait() == 4
+        [out] = fut.wait()  # torch's list of outputs
+        assert (out == 1).all() and fut.value()[0] is out and fut.result() is out
+        assert fut.then(lambda f: f.value()[0].sum() * 2).wait() == 4
         failing = fut.then(lambda f: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             failing.wait()

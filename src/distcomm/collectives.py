@@ -85,6 +85,14 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, what
     return pg.ranks.index(rank)
 
 
+def _default_root(pg: ProcessGroup) -> int:
+    """The group rank ``gather``/``scatter`` (and the object collectives) use when given neither
+    ``dst``/``src`` nor its group form: global rank 0, as torch; on a group without global rank 0
+    (where torch raises) the group's first member."""
+    ranks = pg.ranks
+    return ranks.index(0) if 0 in ranks else 0
+
+
 def _ret(work: Work, async_op: bool) -> Work | None:
     return work if async_op else None
 
@@ -245,12 +253,14 @@ all_gather_single = all_gather_into_tensor
 def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = None,
            group: ProcessGroup | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
-    """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (others pass None)."""
+    """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (others pass None).
+
+    ``dst`` defaults to global rank 0 (on a group without it: the group's first member)."""
     pg = _member(group)
     if pg is None:
         return None
     if dst is None and group_dst is None:
-        dst = pg.ranks[0]
+        group_dst = _default_root(pg)
     root = _group_rank(pg, dst, group_dst, "dst")
     return _ret(pg.gather(tensor, gather_list, root, async_op), async_op)
 
@@ -258,12 +268,14 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
             group: ProcessGroup | None = None, async_op: bool = False,
             group_src: int | None = None) -> Work | None:
-    """Give rank i ``scatter_list[i]`` from ``src`` (others pass None), into ``tensor``."""
+    """Give rank i ``scatter_list[i]`` from ``src`` (others pass None), into ``tensor``.
+
+    ``src`` defaults to global rank 0 (on a group without it: the group's first member)."""
     pg = _member(group)
     if pg is None:
         return None
     if src is None and group_src is None:
-        src = pg.ranks[0]
+        group_src = _default_root(pg)
     root = _group_rank(pg, src, group_src, "src")
     return _ret(pg.scatter(tensor, scatter_list, root, async_op), async_op)
 
@@ -352,14 +364,22 @@ def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None
 def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor`` from ``src`` (None: any rank); returns a Work."""
+    return _irecv(tensor, src, group, tag, group_src, "irecv")
+
+
+def _irecv(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
+           group_src: int | None, op: str) -> Work | None:
+    """:func:`irecv`, its errors naming ``op`` (the function the caller called)."""
     pg = _member(group)
     if pg is None:
         return None
     root = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src")
     if root is None and pg.size() == 1:  # nothing could ever arrive: fail now, not at the timeout
+        name = getattr(pg, "group_name", "?")
         raise DistInputError(
-            f"irecv from any rank on group {getattr(pg, 'group_name', '?')!r}, whose only member is "
-            "this rank: no other rank can send; pass src, or use a group with other members"
+            f"{op} from any rank on group {name!r}, whose only member is this rank: no other "
+            "rank can send; pass src, or use a group with other members",
+            op=op, group=name, rank=pg.ranks[0],
         )
     return pg.recv(tensor, root, tag)
 
@@ -378,7 +398,13 @@ def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
 
     Returns -1 if this process is not a member of ``group``.
     """
-    work = irecv(tensor, src, group, tag, group_src)
+    return _recv(tensor, src, group, tag, group_src, "recv")
+
+
+def _recv(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
+          group_src: int | None, op: str) -> int:
+    """:func:`recv`, its errors naming ``op`` (the function the caller called)."""
+    work = _irecv(tensor, src, group, tag, group_src, op)
     if work is None:
         return -1
     work.wait()
@@ -387,7 +413,13 @@ def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
 
 
 class P2POp:
-    """One send or receive for :func:`batch_isend_irecv`: ``P2POp(isend, tensor, peer)``."""
+    """One send or receive for :func:`batch_isend_irecv`: ``P2POp(isend, tensor, peer)``.
+
+    As torch's, it fills in both forms of the peer: ``peer`` (a global rank) from
+    ``group_peer`` and ``group_peer`` (a rank of ``group``) from ``peer``, checking that
+    the peer is a member of ``group`` (None: the default group, which must exist).  On a
+    process that is not a member of ``group`` both stay as given (the op does nothing).
+    """
 
     def __init__(self, op: Any, tensor: Any, peer: int | None = None,
                  group: ProcessGroup | None = None, tag: int = 0,
@@ -396,6 +428,10 @@ class P2POp:
             raise DistInputError("P2POp op must be distcomm.isend or distcomm.irecv")
         if peer is None and group_peer is None:
             raise DistInputError("P2POp needs peer (a global rank) or group_peer")
+        pg = _member(group)
+        if pg is not None:
+            group_peer = _group_rank(pg, peer, group_peer, "peer")
+            peer = pg.ranks[group_peer]
         self.op = op
         self.tensor = tensor
         self.peer = peer
@@ -404,26 +440,39 @@ class P2POp:
         self.group_peer = group_peer
 
     def __repr__(self) -> str:
-        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+        return f"P2POp({self.op.__name__}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
+
+
+def _batch_peer(p: P2POp, pg: ProcessGroup) -> int:
+    """``p``'s peer as a rank of ``pg``, its group now: ``group_peer``, as torch sends to (or
+    ``peer`` when a caller cleared ``group_peer``), checked again in case the group changed."""
+    if p.group_peer is not None:
+        return _group_rank(pg, None, p.group_peer, "peer")
+    return _group_rank(pg, p.peer, None, "peer")
 
 
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Start every send and receive in the list; return their Works."""
     if not isinstance(p2p_op_list, (list, tuple)) or not all(isinstance(p, P2POp) for p in p2p_op_list):
         raise DistTypeError("batch_isend_irecv takes a list of P2POp")
+    peers = []
     for p in p2p_op_list:  # every peer checked before anything is posted
         pg = _member(p.group)
+        peer = None
         if pg is not None:
-            peer = _group_rank(pg, p.peer, p.group_peer, "peer")
+            peer = _batch_peer(p, pg)
             if peer == pg.rank():
                 raise DistInputError(f"{p!r}: peer {pg.ranks[peer]} is this rank; a rank cannot "
                                      "send to or receive from itself")
+        peers.append(peer)
     works = []
-    for p in p2p_op_list:
+    for p, peer in zip(p2p_op_list, peers, strict=True):
+        if peer is None:
+            continue  # not a member of the op's group: nothing to do
         if p.op is isend:
-            w = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+            w = isend(p.tensor, None, p.group, p.tag, peer)
         else:
-            w = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+            w = irecv(p.tensor, None, p.group, p.tag, peer)
         if w is not None:
             works.append(w)
     return works

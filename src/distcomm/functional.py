@@ -377,14 +377,15 @@ def gather(x: Any, dst: int | None = None, group: ProcessGroup | None = None,
            group_dst: int | None = None) -> Any:
     """Every rank's ``x`` stacked (shape ``(group size, *x.shape)``) on ``dst``; ``None`` elsewhere.
 
-    ``dst`` defaults to the group's first rank.
+    ``dst`` defaults to global rank 0, as in :func:`distcomm.gather` (on a group without it:
+    the group's first rank).
     """
     pg = _pg(group)
     if pg is None:
         return None
     inp = _input(x)
     if dst is None and group_dst is None:
-        group_dst = 0
+        group_dst = _c._default_root(pg)
     root = _c._group_rank(pg, dst, group_dst, "dst")
     if pg.rank() != root:
         _c.gather(inp.flat, None, group=pg, group_dst=root)
@@ -398,7 +399,8 @@ def scatter(xs: Any = None, src: int | None = None, group: ProcessGroup | None =
             group_src: int | None = None) -> Any:
     """Give rank ``i`` the ``i``-th block of ``xs`` from ``src``; return this rank's block.
 
-    On ``src`` (default: the group's first rank) ``xs`` is an array whose
+    On ``src`` (default: global rank 0, or on a group without it the group's
+    first rank, as in :func:`distcomm.scatter`) ``xs`` is an array whose
     first dimension is the group size, or a list of same-shaped arrays, one
     per rank; elsewhere it is ignored (pass ``None``).  ``src`` first
     broadcasts the block's shape and dtype, so the other ranks need not know
@@ -409,7 +411,7 @@ def scatter(xs: Any = None, src: int | None = None, group: ProcessGroup | None =
     if pg is None:
         return None
     if src is None and group_src is None:
-        group_src = 0
+        group_src = _c._default_root(pg)
     root = _c._group_rank(pg, src, group_src, "src")
     n = pg.size()
     header: list[Any] = [None]

@@ -331,7 +331,7 @@ def _check_device(device: Any) -> None:
 def _root(pg: ProcessGroup, rank: int | None, group_rank: int | None, what: str,
           required: bool = False) -> int:
     if rank is None and group_rank is None and not required:
-        return 0  # the group's first member (global rank 0 for the default group)
+        return _c._default_root(pg)  # global rank 0, as torch (else the group's first member)
     return _c._group_rank(pg, rank, group_rank, what)
 
 
@@ -419,9 +419,10 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
                   group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     """Gather ``obj`` from every rank into ``object_gather_list`` on ``dst``.
 
-    On ``dst`` (a global rank; ``group_dst`` for a group rank; default: the
-    group's first rank) ``object_gather_list`` must be a list with one entry
-    per rank; elsewhere it must be ``None``.  Every rank learns all sizes, so a
+    On ``dst`` (a global rank; ``group_dst`` for a group rank; default: global
+    rank 0, or on a group without it the group's first rank)
+    ``object_gather_list`` must be a list with one entry per rank; elsewhere it
+    must be ``None``.  Every rank learns all sizes, so a
     failure anywhere is raised everywhere.  Only use it with trusted peers.
     """
     op = "gather_object"
@@ -479,8 +480,8 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None,
 
     Every rank passes a list of the same length; on the others its entries
     are replaced.  ``src`` is a global rank (``group_src``: a group rank;
-    default: the group's first rank).  A failure on ``src`` is raised on every
-    rank.  Only use it with trusted peers.
+    default: global rank 0, or on a group without it the group's first rank).
+    A failure on ``src`` is raised on every rank.  Only use it with trusted peers.
     """
     op = "broadcast_object_list"
     _check_device(device)
@@ -526,9 +527,10 @@ def scatter_object_list(scatter_object_output_list: list[Any],
 
     Each rank's object lands in ``scatter_object_output_list[0]`` (a non-empty
     list).  ``scatter_object_input_list`` matters only on ``src`` (a global
-    rank; ``group_src``: a group rank; default: the group's first rank), where
-    it must hold one object per rank.  A failure on ``src`` is raised on every
-    rank.  Only use it with trusted peers.
+    rank; ``group_src``: a group rank; default: global rank 0, or on a group
+    without it the group's first rank), where it must hold one object per
+    rank.  A failure on ``src`` is raised on every rank.  Only use it with
+    trusted peers.
     """
     op = "scatter_object_list"
     pg = _c._member(group)
@@ -639,14 +641,9 @@ def recv_object_list(object_list: list[Any], src: int | None = None,
             raise DistInputError(
                 f"src={pg.ranks[peer]} is this rank; a rank cannot receive objects from itself"
             )
-    elif pg.size() == 1:  # nobody could ever send: fail now, not after the timeout
-        raise DistInputError(
-            f"recv_object_list from any rank on group {pg.group_name!r}, whose only member is this "
-            "rank: no other rank can send; pass src, or use a group with other members",
-            op=op, group=pg.group_name, rank=pg.ranks[0],
-        )
     header = np.zeros(2, _INT64)
-    sender = _c.recv(header, group=pg, tag=OBJECT_TAG, group_src=peer)
+    # (from any rank on a group with no other member this raises at once, naming op)
+    sender = _c._recv(header, None, pg, OBJECT_TAG, peer, op)
     sender_group_rank = pg.ranks.index(sender)
     count, nbytes = int(header[0]), int(header[1])
     if count < 0:

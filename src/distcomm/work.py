@@ -19,7 +19,16 @@ from .deadline import Timeout, to_seconds
 from .errors import DistInputError, DistTimeoutError
 from .transport.matching import _Flag
 
-__all__ = ["DistFuture", "Work"]
+__all__ = ["DistFuture", "Work", "torch_value", "wait_seconds"]
+
+
+def wait_seconds(timeout: Timeout | None) -> float | None:
+    """A ``Work.wait`` timeout in seconds; None for none (None, or 0 as torch's default
+    ``timedelta(0)``, which means no timeout)."""
+    if timeout is None:
+        return None
+    seconds = to_seconds(timeout)
+    return None if seconds == 0 else seconds
 
 
 def torch_value(result: Any) -> list:
@@ -104,8 +113,12 @@ class Work:
 
     # -- the public surface -------------------------------------------------------
     def wait(self, timeout: Timeout | None = None) -> bool:
-        """Block until done; raise the operation's error.  Returns True (as torch)."""
-        seconds = None if timeout is None else to_seconds(timeout)
+        """Block until done, at most ``timeout`` (None or 0: no limit but the operation's own,
+        as torch's ``timedelta(0)``); raise the operation's error.  Returns True (as torch)."""
+        return self._wait_for(wait_seconds(timeout))
+
+    def _wait_for(self, seconds: float | None) -> bool:
+        """:meth:`wait` for ``seconds`` (None: no limit; 0: only check)."""
         serial = self._serial
         if serial is not None and not self._done.is_set() and serial.on_worker():
             done = serial.help_until(self._done, seconds)

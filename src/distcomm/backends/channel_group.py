@@ -20,14 +20,14 @@ import numpy as np
 
 from .. import algorithms as algo
 from ..arrays import ArrayRef, as_array, data_address, native_dtype_name
-from ..deadline import Deadline, to_seconds
+from ..deadline import Deadline
 from ..debug import recorder as _rec
 from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup, describe_rank
 from ..memcopy import copy_into
 from ..reduce_op import FINALIZED, finalize, mark_of, op_combiner
 from ..transport.base import COLLECTIVE_CODES, MAX_P2P_TAG, Channel, Request, coded_seq, p2p_tag
-from ..work import DistFuture, Work
+from ..work import DistFuture, Work, wait_seconds
 
 __all__ = ["ChannelProcessGroup"]
 
@@ -545,11 +545,12 @@ class _RequestWork(Work):
 
     def wait(self, timeout: Any = None) -> bool:
         if not self._done.is_set():
-            seconds = self._pg.timeout if timeout is None else to_seconds(timeout)
+            limit = wait_seconds(timeout)
+            seconds = self._pg.timeout if limit is None else limit
             with self._waiting:
                 if not self._done.is_set():
-                    self._wait_request(seconds, user_timeout=timeout is not None)
-        return super().wait(0)
+                    self._wait_request(seconds, user_timeout=limit is not None)
+        return self._wait_for(0)
 
     def _wait_request(self, seconds: float, user_timeout: bool) -> None:
         try:
