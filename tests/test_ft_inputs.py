@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from distcomm.errors import (
 )
 from distcomm.ft import LighthouseRefusedError, LighthouseThread, Manager, SubprocessProcessGroup
 from distcomm.store import TCPStore
+from distcomm.testing import ipv6_loopback
 
 
 def _step(m: Manager) -> bool:
@@ -108,17 +108,8 @@ def test_status_shows_the_last_step_of_a_replica_that_left():
     assert (r["step"], r["alive"], r["left"]) == (3, False, True)
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(20)
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
 def test_an_ipv6_lighthouse_and_replica():
     with LighthouseThread(bind="[::1]:0", min_replicas=1) as lh:
         assert lh.address.startswith("[::1]:")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import pytest
 from distcomm.errors import DistInputError, DistStoreError, DistTypeError
 from distcomm.store import FileStore, HashStore, PrefixStore, TCPStore
 from distcomm.store.auth import ENV_VAR
+from distcomm.testing import ipv6_loopback
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,16 +59,7 @@ def test_close_wakes_a_get_blocked_in_another_thread(who):
         master.close()
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
 def test_a_bracketed_ipv6_host_works_for_master_and_clients():
     """MASTER_ADDR=[::1]: the master listened there, but nobody (not even itself) could connect."""
     with TCPStore("[::1]", 0, is_master=True, timeout=5) as master:

@@ -34,13 +34,21 @@ atomic primitives every store has (``add``, ``compare_set``, ``get``,
 
 ``queue_len`` is ``tail - head`` (at least 0); ``head`` and ``tail`` stay
 after the queue empties (two small keys per queue name).
+
+As in torch, a queue holding an item counts as its key for ``check``,
+``wait``, ``get`` and ``multi_get`` (``get`` of a key with no value then
+returns ``b""``, as torch's TCPStore does); ``num_keys``, ``list_keys`` and
+``delete_key`` leave queues alone.  A queue holds an item when one of its
+slots after ``head`` holds one (:func:`queue_ready`): each store applies that
+test where it tests whether a key exists, and wakes its waiters when a
+queue's ``head`` or one of its slots is written (:func:`queue_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Union
 
@@ -193,6 +201,39 @@ def namespace(prefix: str, key: str, what: str) -> str:
     return name
 
 
+def queue_ready(data: Mapping[str, bytes], key: str) -> bool:
+    """Whether queue ``key`` holds an item a pop could take now, in ``data``
+    (a store's contents): a slot after ``head``, up to ``tail``, holds one."""
+    name = QUEUE_PREFIX + key + "/"
+    tail = data.get(name + "tail")
+    if tail is None:
+        return False
+    try:
+        first, last = int(data.get(name + "head", b"0")) + 1, int(tail)
+    except ValueError:  # not written by queue_push
+        return False
+    for n in range(first, last + 1):
+        if data.get(f"{name}item/{n}", b"")[:1] == _ITEM:
+            return True
+    return False
+
+
+def queue_of(key: str) -> str | None:
+    """The queue whose ``head`` or slot ``key`` is (a write to it may fill that queue), else None."""
+    if not key.startswith(QUEUE_PREFIX):
+        return None
+    rest = key[len(QUEUE_PREFIX) :]
+    if rest.endswith("/head"):
+        return rest[: -len("/head")] or None
+    name, sep, slot = rest.rpartition("/item/")
+    return name if sep and name and slot.isdigit() else None
+
+
+def present(data: Mapping[str, bytes], key: str) -> bool:
+    """Whether ``check`` sees ``key`` in ``data``: it holds a value, or its queue an item."""
+    return key in data or queue_ready(data, key)
+
+
 def _queue_empty(key: str) -> QueueEmptyError:
     return QueueEmptyError(f"store queue {key!r} is empty", key=key, op="queue_pop")
 
@@ -235,6 +276,8 @@ class Store(ABC):
         """Return the value of ``key``, waiting up to ``timeout`` for it to be set.
 
         Raises :class:`~distcomm.errors.DistStoreTimeoutError` if it is not.
+        A key with no value whose queue holds an item gives ``b""`` (as
+        torch's TCPStore does).
         """
         key = check_key(key)
         return self._get(key, self._timeout_s)
@@ -263,7 +306,8 @@ class Store(ABC):
     def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         """Block until every key in ``keys`` is set, or raise a timeout error.
 
-        ``timeout`` defaults to the store's timeout.
+        A key whose queue holds an item counts as set.  ``timeout`` defaults
+        to the store's timeout.
         """
         keys = check_keys(keys)
         seconds = self._wait_seconds(timeout)
@@ -271,20 +315,20 @@ class Store(ABC):
             self._wait(keys, seconds)
 
     def check(self, keys: Sequence[str]) -> bool:
-        """Return whether every key in ``keys`` is set, without waiting."""
+        """Return whether every key in ``keys`` is set (or its queue holds an item), without waiting."""
         keys = check_keys(keys)
         return self._check(keys) if keys else True
 
     def num_keys(self) -> int:
-        """Return how many keys are set (keys distcomm uses itself excluded)."""
+        """Return how many keys are set (queues and keys distcomm uses itself excluded)."""
         return self._num_keys()
 
     def delete_key(self, key: str) -> bool:
-        """Delete ``key``; return whether it existed."""
+        """Delete the value of ``key``; return whether it existed.  Queue ``key`` stays."""
         return self._delete_key(check_key(key))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """Return the values of ``keys``, waiting up to ``timeout`` for all of them."""
+        """Return the values of ``keys``, waiting up to ``timeout`` for all of them (as ``get``)."""
         keys = check_keys(keys)
         return self._multi_get(keys, self._timeout_s) if keys else []
 
@@ -312,7 +356,10 @@ class Store(ABC):
     def queue_push(self, key: str, value: Value) -> None:
         """Append ``value`` to the FIFO queue ``key`` (a queue exists once pushed to).
 
-        Queues are separate from keys: ``get(key)`` does not see queue ``key``.
+        While the queue holds an item, ``check``, ``wait``, ``get`` and
+        ``multi_get`` see ``key`` as set (``get`` then returns the value set
+        under ``key``, else ``b""``), as in torch; ``num_keys``, ``list_keys``
+        and ``delete_key`` do not see queues.
         """
         key = check_key(key)
         self._queue_push(key, to_bytes(value, key))

@@ -57,7 +57,15 @@ from contextlib import contextmanager
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
 from ..errors import DistInputError, DistStoreError, DistTypeError
-from .base import INTERNAL_PREFIX, Store, apply_add, apply_compare_set, timeout_error, visible
+from .base import (
+    INTERNAL_PREFIX,
+    Store,
+    apply_add,
+    apply_compare_set,
+    present,
+    timeout_error,
+    visible,
+)
 
 __all__ = ["FileStore"]
 
@@ -381,15 +389,16 @@ class FileStore(Store):
         self._offset = pos
 
     def _await(self, op: str, keys: list[str], timeout: float) -> list[bytes]:
-        """Poll until every key is set; return their values."""
+        """Poll until every key is set (or its queue holds an item); return their values
+        (``b""`` for a key only its queue holds)."""
         deadline = Deadline(timeout)
         pause = _POLL_FIRST
         while True:
             with self._locked(op):
                 data = self._data
-                missing = [k for k in keys if k not in data]
+                missing = [k for k in keys if not present(data, k)]
                 if not missing:
-                    return [data[k] for k in keys]
+                    return [data.get(k, b"") for k in keys]
             left = deadline.remaining()
             if left <= 0:
                 raise timeout_error(op, keys, missing, timeout)
@@ -422,7 +431,7 @@ class FileStore(Store):
 
     def _check(self, keys: list[str]) -> bool:
         with self._locked("check"):
-            return all(k in self._data for k in keys)
+            return all(present(self._data, k) for k in keys)
 
     def _num_keys(self) -> int:
         with self._locked("num_keys"):

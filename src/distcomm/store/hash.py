@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+from typing import NoReturn
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
-from ..errors import DistTypeError
-from .base import Store, apply_add, apply_compare_set, timeout_error, visible
+from ..errors import DistStoreError, DistTypeError
+from .base import Store, apply_add, apply_compare_set, present, timeout_error, visible
 
 __all__ = ["HashStore"]
 
@@ -15,15 +16,25 @@ class HashStore(Store):
     """A store inside one process; threads share it.  Cannot cross processes.
 
     :meth:`clone` returns another ``HashStore`` object on the same dict (with
-    its own timeout).
+    its own timeout).  :meth:`close` ends the calls blocked on this object;
+    it holds nothing else to release, so the object stays usable.
     """
 
     def __init__(self, timeout: Timeout = DEFAULT_STORE_TIMEOUT) -> None:
         super().__init__(timeout)
         self._data: dict[str, bytes] = {}
         self._changed = threading.Condition()
+        self._closes = 0  # how many times close() was called: blocked calls compare it
 
-    def __reduce__(self) -> object:
+    def close(self) -> None:
+        """Make the calls other threads have blocked on this object (``get``,
+        ``wait``, ``multi_get``, a blocking ``queue_pop``, ``barrier``) raise
+        "is closed" at once.  Clones are not affected; later calls work as before."""
+        with self._changed:
+            self._closes += 1
+            self._changed.notify_all()
+
+    def __reduce__(self) -> NoReturn:
         raise DistTypeError(
             "HashStore cannot be pickled: it lives in one process (threads share it); "
             "use a TCPStore or FileStore to share keys between processes"
@@ -41,10 +52,17 @@ class HashStore(Store):
         """Wait, holding the condition, until all ``keys`` exist."""
         deadline = Deadline(timeout)
         data = self._data
+        closes = self._closes
         while True:
-            missing = [k for k in keys if k not in data]
+            missing = [k for k in keys if not present(data, k)]
             if not missing:
                 return
+            if self._closes != closes:
+                raise DistStoreError(
+                    f"HashStore is closed: close() ended this {op} of key {missing[0]!r}",
+                    key=missing[0],
+                    op=op,
+                )
             left = deadline.remaining()
             if left <= 0:
                 raise timeout_error(op, keys, missing, timeout)
@@ -53,7 +71,7 @@ class HashStore(Store):
     def _get(self, key: str, timeout: float) -> bytes:
         with self._changed:
             self._await("get", [key], timeout)
-            return self._data[key]
+            return self._data.get(key, b"")  # b"": only its queue holds something
 
     def _add(self, key: str, amount: int) -> int:
         with self._changed:
@@ -74,7 +92,7 @@ class HashStore(Store):
 
     def _check(self, keys: list[str]) -> bool:
         with self._changed:
-            return all(k in self._data for k in keys)
+            return all(present(self._data, k) for k in keys)
 
     def _num_keys(self) -> int:
         with self._changed:
@@ -96,7 +114,7 @@ class HashStore(Store):
     def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
         with self._changed:
             self._await("multi_get", keys, timeout)
-            return [self._data[k] for k in keys]
+            return [self._data.get(k, b"") for k in keys]
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         with self._changed:

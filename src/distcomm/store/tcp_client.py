@@ -30,6 +30,7 @@ import socket
 import struct
 import threading
 import time
+from typing import NoReturn
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Deadline, Timeout
 from ..errors import (
@@ -133,7 +134,9 @@ class TCPStore(Store):
     # -- properties --------------------------------------------------------
     @property
     def host(self) -> str:
-        return self._host
+        """The server's host as torch spells it: an IPv6 address without brackets
+        (``"[::1]"`` gives ``"::1"``), so it can be passed to sockets and stores as is."""
+        return _bare_host(self._host)
 
     @property
     def port(self) -> int:
@@ -520,7 +523,7 @@ class TCPStore(Store):
                     del _tenants[self._tenant_port]
         server.close()
 
-    def __reduce__(self) -> object:
+    def __reduce__(self) -> NoReturn:
         raise DistTypeError(
             f"TCPStore {self._addr} cannot be pickled (it owns a connection); pass the host and "
             "port to the other process and create a TCPStore there"

@@ -4,6 +4,9 @@ The server keeps the data (``bytes`` keys to ``bytes`` values) and answers the
 requests of :mod:`.tcp_protocol`.  Blocking requests (GET, WAIT, MGET) are
 parked as waiters: a waiter watches the first of its keys still missing and
 moves on when that key is written, so a WAIT on N keys costs O(N) in total.
+As in torch, a key whose queue holds an item counts as written (GET and MGET
+answer ``b""`` for it if it has no value); a write to a queue's ``head`` or
+to one of its slots moves the waiters watching that queue's key.
 Each waiter has a deadline; at the deadline the server answers TIMEOUT.  A
 connection with a parked request is not read further until it is answered,
 so answers leave in request order.
@@ -37,7 +40,7 @@ from ..errors import DistStoreValueError
 from ..fdlimit import fd_limits, raise_fd_limit
 from . import auth
 from . import tcp_protocol as p
-from .base import INTERNAL_PREFIX, MAX_KEY_BYTES, apply_add, apply_compare_set
+from .base import _ITEM, INTERNAL_PREFIX, MAX_KEY_BYTES, QUEUE_PREFIX, apply_add, apply_compare_set
 
 __all__ = ["StoreServer"]
 
@@ -50,6 +53,7 @@ LOG_BURST, LOG_WINDOW = 20, 60.0
 #: How long accepting pauses after the process ran out of file descriptors.
 EMFILE_PAUSE = 0.1
 _INTERNAL = INTERNAL_PREFIX.encode()
+_QUEUE = QUEUE_PREFIX.encode()
 _RECV_SIZE = 256 * 1024
 #: Longest single wait of the event loop (s); later deadlines are reached in several waits.
 _MAX_POLL = 3600.0
@@ -480,7 +484,7 @@ class StoreServer:
             self._park(conn, op, _keys(f[0]), p.unpack_seconds(f[1]))
         elif op == p.CHECK:
             _arity(f, 1)
-            ok = all(k in data for k in _keys(f[0]))
+            ok = all(k in data or _queue_ready(data, k) for k in _keys(f[0]))
             self._send(conn, p.frame(p.OK, p.pack_int(int(ok))))
         elif op == p.NUM_KEYS:
             _arity(f, 0)
@@ -523,6 +527,13 @@ class StoreServer:
             for w in waiters:
                 if w.active:
                     self._advance(w)
+        if key.startswith(_QUEUE) and self._watch:
+            queue = _queue_of(key)  # the write may have given that queue an item
+            waiters = self._watch.pop(queue, None) if queue else None
+            if waiters:
+                for w in waiters:
+                    if w.active:
+                        self._advance(w)
 
     # -- waiters -----------------------------------------------------------
     def _park(
@@ -547,19 +558,19 @@ class StoreServer:
         """Move ``w`` past keys that exist; answer it if none is missing."""
         data, keys = self._data, w.keys
         i, n = w.pos, len(keys)
-        while i < n and keys[i] in data:
+        while i < n and (keys[i] in data or _queue_ready(data, keys[i])):
             i += 1
         if i < n:
             w.pos = i
             self._watch.setdefault(keys[i], []).append(w)
             return False
-        if w.op == p.MGET and not all(k in data for k in keys):
+        if w.op == p.MGET and not all(k in data or _queue_ready(data, k) for k in keys):
             # A key seen earlier was deleted since: start over.
             w.pos = 0
             return self._advance(w, resume)
         if w.raw is not None and self._leaders.get(w.raw) is w:
             del self._leaders[w.raw]
-        answer = _OK if w.op == p.WAIT else p.frame(p.OK, *(data[k] for k in keys))
+        answer = _OK if w.op == p.WAIT else p.frame(p.OK, *(data.get(k, b"") for k in keys))
         for x in [w, *w.followers]:
             if not x.active:
                 continue
@@ -626,7 +637,8 @@ class StoreServer:
     def _expire(self, w: _Waiter) -> None:
         conn = w.conn
         self._unpark(w)
-        missing = [k for k in w.keys if k not in self._data]
+        data = self._data
+        missing = [k for k in w.keys if k not in data and not _queue_ready(data, k)]
         if not missing:  # raced with a write in this very loop turn
             missing = w.keys[:1]
         self._send(conn, p.frame(p.TIMEOUT, p.join_keys(missing)))
@@ -648,6 +660,31 @@ def _timer_live(entry: tuple) -> bool:
     if kind == "handshake":
         return not obj.closed and not obj.ready
     return True
+
+
+def _queue_ready(data: dict[bytes, bytes], key: bytes) -> bool:
+    """Whether queue ``key`` holds an item (:func:`.base.queue_ready`, on bytes keys)."""
+    name = _QUEUE + key + b"/"
+    tail = data.get(name + b"tail")
+    if tail is None:
+        return False
+    try:
+        first, last = int(data.get(name + b"head", b"0")) + 1, int(tail)
+    except ValueError:
+        return False
+    for n in range(first, last + 1):
+        if data.get(b"%sitem/%d" % (name, n), b"")[:1] == _ITEM:
+            return True
+    return False
+
+
+def _queue_of(key: bytes) -> bytes | None:
+    """The queue whose ``head`` or slot ``key`` is (:func:`.base.queue_of`, on bytes keys)."""
+    rest = key[len(_QUEUE) :]
+    if rest.endswith(b"/head"):
+        return rest[: -len(b"/head")] or None
+    name, sep, slot = rest.rpartition(b"/item/")
+    return name if sep and name and slot.isdigit() else None
 
 
 def _arity(fields: list[bytes], n: int) -> None:

@@ -11,7 +11,7 @@
 """
 
 from .leaks import Snapshot, check_no_leaks, find_leaks, pid_alive, snapshot
-from .ranks import RankFailedError, free_port, run_ranks, start_forkserver
+from .ranks import RankFailedError, free_port, ipv6_loopback, run_ranks, start_forkserver
 
 __all__ = [
     "RankFailedError",
@@ -19,6 +19,7 @@ __all__ = [
     "check_no_leaks",
     "find_leaks",
     "free_port",
+    "ipv6_loopback",
     "pid_alive",
     "run_ranks",
     "snapshot",

@@ -99,6 +99,16 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def ipv6_loopback() -> bool:
+    """Whether this machine has IPv6 loopback (``::1``) to bind to."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that was free on ``host`` a moment ago.
 
