@@ -948,9 +948,9 @@ def _frames(rng: random.Random, target: TransportTarget) -> tuple[list[bytes], s
         group = rng.choice((0, 1, rng.getrandbits(64)))
         tag = rng.choice((0, 1, rng.getrandbits(64)))
         kind = rng.choices(
-            ["data", "rts", "rtr", "abort", "bye", "leave", "call", "unknown", "huge_data",
+            ["data", "rts", "rtr", "abort", "bye", "leave", "call", "pad", "unknown", "huge_data",
              "oversized_abort", "truncated", "random", "mutated", "big_early"],
-            [25, 10, 10, 6, 2, 4, 4, 5, 4, 3, 5, 10, 18, 2],
+            [25, 10, 10, 6, 2, 4, 4, 4, 5, 4, 3, 5, 10, 18, 2],
         )[0]
         if kind == "data":
             n = rng.choice((0, 1, 100, 4096))
@@ -967,11 +967,16 @@ def _frames(rng: random.Random, target: TransportTarget) -> tuple[list[bytes], s
             out.append(w.HEADER.pack(w.LEAVE, group, tag, rng.getrandbits(64)))
         elif kind == "call":
             out.append(w.HEADER.pack(w.CALL, group, tag, rng.getrandbits(64)))
+        elif kind == "pad":  # filler up to PAD_ALIGN - 1 bytes; larger ends the connection
+            n = rng.choice((0, 7, w.PAD_ALIGN - 1, w.PAD_ALIGN, 2**64 - 1))
+            out.append(w.HEADER.pack(w.PAD, group, tag, n) + rng.randbytes(min(n, 100)))
+            if n >= w.PAD_ALIGN:
+                break
         elif kind == "bye":
             out.append(w.HEADER.pack(w.BYE, 0, 0, 0))
             break
         elif kind == "unknown":
-            out.append(w.HEADER.pack(rng.choice((0, *range(w.CALL + 1, 256))), group, tag, rng.getrandbits(64)))
+            out.append(w.HEADER.pack(rng.choice((0, *range(w.PAD + 1, 256))), group, tag, rng.getrandbits(64)))
             break
         elif kind == "huge_data":  # more than any early budget: must be skipped, not allocated
             out.append(w.HEADER.pack(w.DATA, group, tag, rng.choice((EARLY_BUDGET + 1, 2**40, 2**64 - 1)))
@@ -981,13 +986,13 @@ def _frames(rng: random.Random, target: TransportTarget) -> tuple[list[bytes], s
             out.append(w.HEADER.pack(w.ABORT, group, 0, rng.choice((65537, 2**64 - 1))))
             break
         elif kind == "truncated":
-            out.append(w.HEADER.pack(rng.randrange(1, w.CALL + 1), group, tag, 100)[: rng.randrange(1, w.HEADER.size)])
+            out.append(w.HEADER.pack(rng.randrange(1, w.PAD + 1), group, tag, 100)[: rng.randrange(1, w.HEADER.size)])
             break
         elif kind == "random":
             out.append(rng.randbytes(rng.randrange(1, 100)))
         elif kind == "mutated":
             n = rng.choice((0, 8, 64))
-            frame = w.HEADER.pack(rng.randrange(1, w.CALL + 1), group, tag, n) + rng.randbytes(n)
+            frame = w.HEADER.pack(rng.randrange(1, w.PAD + 1), group, tag, n) + rng.randbytes(n)
             out.append(_mutate(rng, frame, rng.randrange(1, 4)))
         else:  # big_early: a large unrequested message (kept early, within the budget)
             n = rng.choice((EAGER_BYTES + 1, 1 << 20))
