@@ -6,8 +6,10 @@ replicas take part (the *quorum*); each replica's :class:`Manager` turns that
 quorum into a process group, averages gradients over it, and agrees with the
 others whether the step is *committed*.  A replica may be several processes
 (a *replica group*, one Manager per rank; see :mod:`.replica_group`).  A replica that was killed and
-restarted gets the current state from a healthy peer and trains on.  See
-docs/fault-tolerance.md.
+restarted gets the current state from a healthy peer and trains on.
+torchft's wrappers are here too: :class:`OptimizerWrapper` (``Optimizer``) and,
+for torch modules, :class:`DistributedDataParallel` (the only one that imports
+torch).  See docs/fault-tolerance.md ("Coming from torchft").
 """
 
 import importlib
@@ -17,12 +19,15 @@ from typing import Any
 #: never loads the lighthouse's asyncio server, nor the subprocess group)
 _WHERE = {
     "ChecksumError": ".recovery",
+    "DistributedDataParallel": ".ddp",
     "ErrorSwallowingProcessGroupWrapper": ".wrappers",
     "LighthouseRefusedError": ".lighthouse_client",
     "LighthouseServer": ".lighthouse",
     "LighthouseThread": ".lighthouse",
     "ManagedProcessGroup": ".wrappers",
     "Manager": ".manager",
+    "Optimizer": ".wrappers",
+    "OptimizerWrapper": ".wrappers",
     "ProcessGroupDummy": ".wrappers",
     "ProcessGroupWrapper": ".wrappers",
     "ReconfigurableProcessGroup": ".reconfigurable",
@@ -48,12 +53,15 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ChecksumError",
+    "DistributedDataParallel",
     "LighthouseRefusedError",
     "LighthouseServer",
     "LighthouseThread",
     "Manager",
     "ErrorSwallowingProcessGroupWrapper",
     "ManagedProcessGroup",
+    "Optimizer",
+    "OptimizerWrapper",
     "ProcessGroupDummy",
     "ProcessGroupWrapper",
     "ReconfigurableProcessGroup",

@@ -9,7 +9,7 @@ One asyncio server, one port, two protocols told apart by their first byte:
   ``--heartbeat-timeout``: a killed process is noticed at once (its
   connection closes), a frozen or cut-off one at the heartbeat timeout;
 * browsers and scripts speak HTTP: ``/`` is a status page refreshed live,
-  ``/status.json`` the same facts as JSON.
+  ``/status.json`` (also ``/status``, torchft's path) the same facts as JSON.
 
 Quorum rules, evaluated on every request, death and tick: when every member
 of the previous quorum has asked, the quorum is issued at once (with anyone
@@ -98,7 +98,11 @@ class Lighthouse:
     """The quorum logic, without I/O (the server calls it; tests may too)."""
 
     def __init__(self, min_replicas: int = 1, join_timeout: float = 1.0,
-                 heartbeat_timeout: float = 2.0) -> None:
+                 heartbeat_timeout: float = 2.0, *, join_timeout_ms: float | None = None,
+                 heartbeat_timeout_ms: float | None = None) -> None:
+        # torchft's names, in milliseconds: they win over the seconds
+        join_timeout = _from_ms(join_timeout_ms, "join_timeout_ms", join_timeout)
+        heartbeat_timeout = _from_ms(heartbeat_timeout_ms, "heartbeat_timeout_ms", heartbeat_timeout)
         _check_options(min_replicas, join_timeout, heartbeat_timeout)
         self.min_replicas = min_replicas
         self.join_timeout = join_timeout
@@ -321,6 +325,9 @@ class LighthouseServer:
     """The lighthouse's asyncio server; :meth:`serve` runs until :meth:`stop`."""
 
     def __init__(self, bind: str = "0.0.0.0:29510", **options: Any) -> None:
+        self.tick = _from_ms(options.pop("quorum_tick_ms", None), "quorum_tick_ms", TICK)
+        if not 0 < self.tick < math.inf:
+            raise DistInputError(f"quorum_tick_ms must be a number of milliseconds > 0, got {self.tick * 1000!r}")
         host, _, port = bind.rpartition(":") if isinstance(bind, str) else ("", "", "")
         if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
             raise DistInputError(f"bind {bind!r}: expected HOST:PORT, e.g. 0.0.0.0:29510 (port 0-65535)")
@@ -370,7 +377,7 @@ class LighthouseServer:
 
     async def _tick(self) -> None:
         while True:
-            await asyncio.sleep(TICK)
+            await asyncio.sleep(self.tick)
             self._send(self.lighthouse.tick())
 
     def _send(self, messages: list[tuple[Replica, dict]]) -> None:
@@ -449,7 +456,7 @@ class LighthouseServer:
                 await self._respond(writer, 405, "text/plain", b"only GET\n", head=False)
                 return
             path = parts[1].split("?")[0]
-            if path == "/status.json":
+            if path in ("/status.json", "/status"):
                 body = json.dumps(self.lighthouse.status(), indent=1).encode()
                 await self._respond(writer, 200, "application/json", body, parts[0] == "HEAD")
             elif path in ("/", "/index.html"):
@@ -530,6 +537,15 @@ def _check_options(min_replicas: Any, join_timeout: Any, heartbeat_timeout: Any)
         raise DistInputError(f"heartbeat_timeout must be a number of seconds > 0, got {heartbeat_timeout!r}")
 
 
+def _from_ms(ms: Any, name: str, default: float) -> float:
+    """A torchft option in milliseconds as seconds (``default`` when not given)."""
+    if ms is None:
+        return default
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
+        raise DistInputError(f"{name} must be a number of milliseconds >= 0, got {ms!r}")
+    return ms / 1000.0
+
+
 def _bind_address(text: str) -> str:
     """An argparse type: ``HOST:PORT`` (``[v6]:PORT`` too) with a port in [0, 65535]."""
     host, colon, port = text.rpartition(":")
@@ -541,15 +557,28 @@ def _bind_address(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="0.0.0.0:29510", type=_bind_address,
                         help="host:port to listen on (default %(default)s)")
-    parser.add_argument("--min-replicas", type=int, default=1,
+    parser.add_argument("--min-replicas", "--min_replicas", type=int, default=1,
                         help="fewest replicas a quorum may have (default %(default)s)")
     parser.add_argument("--join-timeout", type=float, default=1.0,
                         help="seconds to wait for stragglers before issuing a quorum (default %(default)s)")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
                         help="seconds without a heartbeat before a replica counts as dead (default %(default)s)")
+    # torchft's lighthouse options, in milliseconds (they win over the options in seconds)
+    parser.add_argument("--join_timeout_ms", type=float, default=None, help="--join-timeout in ms (torchft's name)")
+    parser.add_argument("--heartbeat_timeout_ms", type=float, default=None,
+                        help="--heartbeat-timeout in ms (torchft's name)")
+    parser.add_argument("--quorum_tick_ms", type=float, default=None,
+                        help=f"how often the quorum rules are checked, ms (default {TICK * 1000:g})")
 
 
 def run(args: argparse.Namespace) -> int:
+    for ms, name in (("join_timeout_ms", "join_timeout"), ("heartbeat_timeout_ms", "heartbeat_timeout")):
+        if getattr(args, ms, None) is not None:
+            setattr(args, name, args.__dict__[ms] / 1000.0)
+    tick = getattr(args, "quorum_tick_ms", None)
+    if tick is not None and not 0 < tick < math.inf:
+        print("distcomm lighthouse: --quorum_tick_ms must be > 0", file=sys.stderr)
+        return 2
     if not (args.min_replicas >= 1 and 0 <= args.join_timeout < math.inf
             and 0 < args.heartbeat_timeout < math.inf):
         print("distcomm lighthouse: --min-replicas must be >= 1, --join-timeout >= 0, "
@@ -558,7 +587,7 @@ def run(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s lighthouse %(message)s")
     server = LighthouseServer(args.bind, min_replicas=args.min_replicas, join_timeout=args.join_timeout,
-                              heartbeat_timeout=args.heartbeat_timeout)
+                              heartbeat_timeout=args.heartbeat_timeout, quorum_tick_ms=tick)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -630,6 +659,10 @@ class LighthouseThread:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self.server.stop)
             self._thread.join(10)
+
+    def shutdown(self) -> None:
+        """:meth:`stop` under torchft's name (``LighthouseServer.shutdown``)."""
+        self.stop()
 
     def __enter__(self) -> LighthouseThread:
         return self

@@ -57,12 +57,17 @@ from ..work import Work, completed
 from ._net import join_host_port, parse_host_port
 from .lighthouse_client import LighthouseClient, info_of_this_process
 from .reconfigurable import ReconfigurableProcessGroup
-from .recovery import ChecksumError, RecoveryServer, fetch_state
+from .recovery import ChecksumError, RecoveryServer, _is_tensor, fetch_state
 from .replica_group import ReplicaGroupClient, ReplicaGroupServer, server_key
 
 __all__ = ["Manager", "StateDictError"]
 
 log = logging.getLogger("distcomm.ft")
+
+#: The key ``Manager(load_state_dict=, state_dict=)`` and ``set_state_dict_fns`` register under.
+DEFAULT_STATE_KEY = "default"
+#: The key under which a state transfer carries the manager's own counters (reserved).
+_MANAGER_KEY = "__distcomm_ft_manager__"
 
 
 class _QuorumError(DistError):
@@ -99,6 +104,14 @@ class Manager:
     :class:`~.wrappers.ErrorSwallowingProcessGroupWrapper` around one of those.
     ``max_retries`` (None: no limit) makes ``should_commit`` raise after that
     many consecutive discarded steps.
+
+    torchft's arguments: ``min_replica_size`` (a step commits only if at
+    least that many replicas participate in it: fewer vote no),
+    ``use_async_quorum=False`` (every ``start_quorum`` waits for the quorum
+    and any recovery, so a replica that fell behind contributes in that very
+    step), and ``load_state_dict``/``state_dict`` (registered under the key
+    ``"default"``, as :meth:`register_state_dict_fn` would; ``state_dict``
+    alone means ``load_fn=None``).
     """
 
     def __init__(
@@ -119,12 +132,24 @@ class Manager:
         world_size: int = 1,
         store: Store | str | None = None,
         max_retries: int | None = None,
+        min_replica_size: int = 1,
+        use_async_quorum: bool = True,
+        load_state_dict: Callable[[Any], None] | None = None,
+        state_dict: Callable[[], Any] | None = None,
     ) -> None:
-        addr = lighthouse_addr or os.environ.get("DISTCOMM_LIGHTHOUSE")
+        addr = _lighthouse_address(
+            lighthouse_addr or os.environ.get("DISTCOMM_LIGHTHOUSE") or os.environ.get("TORCHFT_LIGHTHOUSE"))
         if not addr and rank == 0:
             raise DistInputError("give lighthouse_addr ('host:port') or set DISTCOMM_LIGHTHOUSE")
         if addr or rank == 0:
             parse_host_port(addr, "lighthouse_addr")
+        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int) or min_replica_size < 1:
+            raise DistInputError(f"min_replica_size must be an int >= 1, got {min_replica_size!r}")
+        if not isinstance(use_async_quorum, bool):
+            raise DistInputError(f"use_async_quorum must be a bool, got {use_async_quorum!r}")
+        if load_state_dict is not None and state_dict is None:
+            raise DistInputError("load_state_dict needs state_dict (torchft's pair; state_dict alone copies "
+                                 "into its arrays in place)")
         if not isinstance(replica_id, str) or not replica_id:
             raise DistInputError(f"replica_id must be a non-empty str, got {replica_id!r}")
         for name, value in (("rank", rank), ("world_size", world_size)):
@@ -140,6 +165,8 @@ class Manager:
         if hostname is not None:
             _check_hostname(hostname)
         self.max_retries = max_retries
+        self.min_replica_size = min_replica_size
+        self.use_async_quorum = use_async_quorum
         self.replica_id = replica_id
         self.group_rank, self.group_world_size = rank, world_size
         self.timeout = to_seconds(timeout)
@@ -152,6 +179,7 @@ class Manager:
         self._warned: set[str] = set()  # keys whose non-array state load_fn=None skipped (said once)
         self._cond = threading.Condition()
         self._step = 0
+        self._batches_committed = 0  # sum of the participants of every committed step
         self._commit_id = ""
         self._phase = "idle"
         self._errored: BaseException | None = None
@@ -179,6 +207,8 @@ class Manager:
         self._store: TCPStore | None = None
         self._recovery: RecoveryServer | None = None
         self._executor: ThreadPoolExecutor | None = None
+        if state_dict is not None:
+            self.register_state_dict_fn(DEFAULT_STATE_KEY, load_state_dict, state_dict)
         connect = to_seconds(connect_timeout)
         if world_size > 1 and store is None:
             store = _env_store_addr(world_size)
@@ -249,9 +279,44 @@ class Manager:
         """
         if not isinstance(key, str) or not key:
             raise DistInputError(f"state key must be a non-empty str, got {key!r}")
+        if key == _MANAGER_KEY:
+            raise DistInputError(f"state key {key!r} is reserved for the manager's own counters")
         if not callable(save_fn) or (load_fn is not None and not callable(load_fn)):
             raise DistInputError("save_fn (and load_fn, unless None) must be callable")
         self._fns[key] = (load_fn, save_fn)
+
+    def set_state_dict_fns(self, load_state_dict: Callable[[Any], None] | None,
+                           state_dict: Callable[[], Any]) -> None:
+        """torchft's older call: ``register_state_dict_fn("default", load_state_dict, state_dict)``."""
+        self.register_state_dict_fn(DEFAULT_STATE_KEY, load_state_dict, state_dict)
+
+    def state_dict(self) -> dict[str, int]:
+        """The manager's own counters, to save with a checkpoint: ``{"step", "batches_committed"}``."""
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`'s counters from a checkpoint (between steps only).
+
+        The replica then counts as having trained apart from its peers (its
+        commit id is cleared): if they are at the same step, it takes their
+        state rather than they its.
+        """
+        if self._in_step:
+            raise DistInputError("load_state_dict() during a step: call it before start_quorum() "
+                                 "or after should_commit()")
+        if not isinstance(state_dict, dict) or "step" not in state_dict:
+            raise DistInputError(f"load_state_dict expects a dict with 'step' (and 'batches_committed'), "
+                                 f"as state_dict() returns; got {state_dict!r}")
+        values = {k: state_dict.get(k, 0) for k in ("step", "batches_committed")}
+        for k, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise DistInputError(f"load_state_dict: {k!r} must be an int >= 0, got {v!r}")
+        with self._cond:
+            self._step, self._batches_committed = values["step"], values["batches_committed"]
+            self._commit_id = ""
+            self._cond.notify_all()
+        if self._client is not None:
+            self._client.step = self._step
 
     # -- the step ------------------------------------------------------------------------
     def start_quorum(self, timeout: Timeout | None = None) -> None:
@@ -268,12 +333,13 @@ class Manager:
             self._phase = "quorum"
             self._cond.notify_all()
         seconds = self.quorum_timeout if timeout is None else to_seconds(timeout)
-        fresh, self._fresh = self._fresh, False
+        fresh, self._fresh = self._fresh or not self.use_async_quorum, False
         self._future = self._executor.submit(self._run_quorum, seconds, fresh)
         if fresh:
-            # A new process waits for its first quorum (and recovery) here, before the caller
-            # computes anything: its gradients are then computed on the recovered state and it
-            # contributes in this very step (the others know: the quorum says "heal_first").
+            # A new process (and every step with use_async_quorum=False) waits for the quorum
+            # (and recovery) here, before the caller computes anything: its gradients are then
+            # computed on the recovered state and it contributes in this very step (the others
+            # know: the quorum says "heal_first").
             self._wait_future()
             if self._fatal is not None:
                 raise self._fatal
@@ -368,6 +434,10 @@ class Manager:
             user_error, self._user_error = self._user_error, None
         if user_error is not None:
             self.report_error(user_error)
+        if self._errored is None and self._configured and self._participants < self.min_replica_size:
+            self.report_error(DistBackendError(
+                f"only {self._participants} replica(s) participate in step {self._step + 1}, fewer than "
+                f"min_replica_size={self.min_replica_size}: the step is discarded"))
         decision = self._vote()
         if isinstance(self._client, ReplicaGroupClient):
             # every rank of this replica decides alike: rank i voted with rank i of the others
@@ -382,6 +452,7 @@ class Manager:
             if decision:
                 self._await_transfers()
                 self._step += 1
+                self._batches_committed += self._participants
                 epoch, qid = self._quorum_key or ("", 0)
                 self._commit_id = f"{epoch}:{qid}:{self._step}"
                 self._phase = "committing"
@@ -453,15 +524,30 @@ class Manager:
         """Steps committed so far (a recovered replica takes its peer's count)."""
         return self._step
 
+    def batches_committed(self) -> int:
+        """Batches committed by all replicas together: the sum over committed steps of their
+        participants (a recovered replica takes its peer's count)."""
+        return self._batches_committed
+
     def num_participants(self) -> int:
-        """Replicas whose contribution counts in this step (healing ones do not)."""
+        """Replicas whose contribution counts in this step (healing ones do not); 0 before the
+        first ``start_quorum``."""
+        if self._future is None:
+            return 0
         self._wait_future()
         return self._participants
 
     def participating_rank(self) -> int | None:
-        """This replica's rank among the participants, None while it heals."""
+        """This replica's rank among the participants, None while it heals (and before the
+        first ``start_quorum``)."""
+        if self._future is None:
+            return None
         self._wait_future()
         return self._participating_rank
+
+    def is_participating(self) -> bool:
+        """Whether this replica's contribution counts in this step (False while it heals)."""
+        return self.participating_rank() is not None
 
     def is_healing(self) -> bool:
         """Whether this replica recovers in this step and contributes zeros to it."""
@@ -554,8 +640,11 @@ class Manager:
                 errors.append(f"{src['replica_id']}: {e}")
                 continue
             self._load(tree)
+            counters = tree.get(_MANAGER_KEY) if isinstance(tree, dict) else None
             with self._cond:
                 self._step, self._commit_id = got_step, commit_id
+                if isinstance(counters, dict) and isinstance(counters.get("batches_committed"), int):
+                    self._batches_committed = counters["batches_committed"]
             if self._client is not None:
                 self._client.step = got_step
             seconds = time.monotonic() - t0
@@ -618,6 +707,7 @@ class Manager:
                 raise DistBackendError(f"replica {self.replica_id} has no registered state to send "
                                        "(register_state_dict_fn() was not called)")
             tree = {k: self._call_state_fn("save_fn", k, save) for k, (_, save) in self._fns.items()}
+            tree[_MANAGER_KEY] = {"batches_committed": self._batches_committed}
             self._serving += 1
             return self._step, self._commit_id, tree
 
@@ -669,6 +759,18 @@ class Manager:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _lighthouse_address(addr: Any) -> Any:
+    """torchft writes the lighthouse's address as a URL (``http://host:29510``): take its
+    ``host:port``; any other scheme is refused at once."""
+    if isinstance(addr, str) and "://" in addr:
+        scheme, _, rest = addr.partition("://")
+        if scheme not in ("http", "https", "tcp"):
+            raise DistInputError(f"lighthouse_addr {addr!r}: expected 'host:port' (or http://host:port, "
+                                 f"as torchft writes it), not a {scheme}:// address")
+        return rest.rstrip("/")
+    return addr
 
 
 def _check_group(pg: Any) -> None:
@@ -723,6 +825,11 @@ def _copy_into(target: Any, source: Any, where: str, skipped: list[str]) -> None
             raise DistBackendError(f"state {where}: cannot copy {getattr(source, 'shape', type(source))} "
                                    f"into an array of shape {target.shape}; give a load_fn")
         np.copyto(target, source)
+    elif _is_tensor(target):
+        if not _is_tensor(source) or tuple(source.shape) != tuple(target.shape):
+            raise DistBackendError(f"state {where}: cannot copy {getattr(source, 'shape', type(source))} "
+                                   f"into a tensor of shape {tuple(target.shape)}; give a load_fn")
+        target.detach().copy_(source)
     elif isinstance(target, dict):
         for k, v in target.items():
             _copy_into(v, source[k], f"{where}/{k}", skipped)

@@ -1,7 +1,10 @@
 """Moving a replica's state to a peer that fell behind: raw bytes, JSON metadata, a checksum.
 
-A state is a tree of dicts and lists whose leaves are NumPy arrays or JSON
-values (numbers, strings, booleans, None).  On the wire (one TCP connection
+A state is a tree of dicts and lists whose leaves are NumPy arrays, torch
+CPU tensors (what a torch ``state_dict()`` holds; sent as arrays, received as
+tensors sharing the received arrays' memory) or JSON values (numbers,
+strings, booleans, None).  Dict keys are strings, or numbers, booleans and
+None (a torch optimizer's ``state_dict()`` keys its state by int).  On the wire (one TCP connection
 per transfer, the receiver asks)::
 
     receiver -> {"step": S, "commit_id": C}\\n                     (JSON line)
@@ -47,6 +50,36 @@ class ChecksumError(DistError):
 
 
 # -- trees <-> (JSON, arrays) ---------------------------------------------------------------
+def _is_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor (torch is not imported to find out)."""
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "detach") and hasattr(obj, "numpy")
+
+
+def _tensor_as_array(t: Any) -> tuple[np.ndarray, str]:
+    """A torch tensor's bytes as a NumPy array (no copy for a contiguous CPU tensor) and its dtype."""
+    t = t.detach()
+    if t.is_sparse or t.device.type != "cpu":
+        t = t.to_dense().cpu() if t.is_sparse else t.cpu()
+    t = t.contiguous()
+    try:
+        arr = t.numpy()
+    except TypeError:  # a dtype NumPy lacks (bfloat16, ...): its bytes as unsigned ints of the same size
+        import torch
+
+        arr = t.view(getattr(torch, f"uint{8 * t.element_size()}")).numpy()
+    return arr, str(t.dtype).removeprefix("torch.")
+
+
+def _tensor_of(arr: np.ndarray, dtype: str) -> Any:
+    import torch
+
+    t = torch.from_numpy(arr)
+    want = getattr(torch, dtype, None)
+    if not isinstance(want, torch.dtype):
+        raise DistTypeError(f"the peer sent a tensor of unknown torch dtype {dtype!r}")
+    return t if t.dtype == want else t.view(want)
+
+
 def flatten(tree: Any, allow_pickle: bool = False, path: str = "") -> tuple[Any, list[np.ndarray]]:
     arrays: list[np.ndarray] = []
 
@@ -54,11 +87,18 @@ def flatten(tree: Any, allow_pickle: bool = False, path: str = "") -> tuple[Any,
         if isinstance(obj, np.ndarray):
             arrays.append(obj if obj.flags.c_contiguous else np.ascontiguousarray(obj))
             return {"$array": len(arrays) - 1}
+        if _is_tensor(obj):
+            arr, dtype = _tensor_as_array(obj)
+            arrays.append(arr)
+            return {"$tensor": len(arrays) - 1, "dtype": dtype}
         if isinstance(obj, dict):
+            if not all(isinstance(k, str) for k in obj):
+                bad = next((k for k in obj if not (k is None or isinstance(k, (str, int, float)))), _NO_KEY)
+                if bad is not _NO_KEY:
+                    raise DistTypeError(f"state key {bad!r} at {where or '/'} is not a str, number, bool or None")
+                return {"$items": [[k, walk(v, f"{where}/{k}")] for k, v in obj.items()]}
             out = {}
             for k, v in obj.items():
-                if not isinstance(k, str):
-                    raise DistTypeError(f"state key {k!r} at {where or '/'} is not a str")
                 out[k] = walk(v, f"{where}/{k}")
             return {"$dict": out} if any(k.startswith("$") for k in out) else out
         if isinstance(obj, (list, tuple)):
@@ -70,11 +110,14 @@ def flatten(tree: Any, allow_pickle: bool = False, path: str = "") -> tuple[Any,
         if allow_pickle:
             return {"$pickle": base64.b64encode(pickle.dumps(obj)).decode()}
         raise DistTypeError(
-            f"state value at {where or '/'} is a {type(obj).__name__}: only NumPy arrays, dicts, lists "
-            "and JSON values move without pickle (allow_pickle=True on both sides to send it)"
+            f"state value at {where or '/'} is a {type(obj).__name__}: only NumPy arrays, torch tensors, "
+            "dicts, lists and JSON values move without pickle (allow_pickle=True on both sides to send it)"
         )
 
     return walk(tree, path), arrays
+
+
+_NO_KEY = object()
 
 
 def unflatten(meta: Any, arrays: list[np.ndarray], allow_pickle: bool = False) -> Any:
@@ -83,6 +126,10 @@ def unflatten(meta: Any, arrays: list[np.ndarray], allow_pickle: bool = False) -
     if isinstance(meta, dict):
         if "$array" in meta:
             return arrays[meta["$array"]]
+        if "$tensor" in meta:
+            return _tensor_of(arrays[meta["$tensor"]], meta["dtype"])
+        if "$items" in meta:
+            return {k: unflatten(v, arrays, allow_pickle) for k, v in meta["$items"]}
         if "$scalar" in meta:
             return np.dtype(meta["$scalar"]).type(meta["value"])
         if "$pickle" in meta:

@@ -10,6 +10,9 @@
   as a process group for model code: its size is the number of replicas
   participating in the current step, errors go to the manager.
 * :class:`ProcessGroupDummy`: one rank, every operation a no-op that succeeds.
+* :class:`OptimizerWrapper` (alias ``Optimizer``): torchft's optimizer wrapper, for any
+  optimizer with ``zero_grad()`` and ``step()``: ``zero_grad`` starts the step's quorum,
+  ``step`` steps only if the manager commits.
 
 Argument mistakes (:class:`~distcomm.errors.DistInputError`,
 :class:`~distcomm.errors.DistTypeError`) are the caller's bugs and are raised,
@@ -32,6 +35,8 @@ from ..work import DistFuture, Work, completed, torch_value
 from .reconfigurable import COLLECTIVES
 
 __all__ = [
+    "Optimizer",
+    "OptimizerWrapper",
     "ProcessGroupWrapper",
     "ErrorSwallowingProcessGroupWrapper",
     "ManagedProcessGroup",
@@ -297,6 +302,57 @@ class ProcessGroupDummy(ProcessGroup):
 
     def _call(self, name: str, args: tuple, kwargs: dict) -> Work:
         return completed(name, self.group_name, _natural_result(name, args, kwargs))
+
+
+class OptimizerWrapper:
+    """torchft's optimizer wrapper around ``optim`` (a torch optimizer, or any object with
+    ``zero_grad()`` and ``step()``), driving ``manager``'s step.
+
+    ``zero_grad()`` calls ``manager.start_quorum()`` and then the optimizer's
+    ``zero_grad``; ``step()`` calls ``manager.should_commit()`` and steps the
+    optimizer only if the step commits (it returns that decision).  Call
+    ``zero_grad`` at the start of each step, before the forward pass.
+    Everything else (``param_groups``, ``state_dict``, ...) is the optimizer's.
+    """
+
+    def __init__(self, manager: Any, optim: Any) -> None:
+        for name in ("zero_grad", "step"):
+            if not callable(getattr(optim, name, None)):
+                raise DistInputError(f"OptimizerWrapper needs an optimizer with {name}(), got {type(optim).__name__}")
+        if not all(callable(getattr(manager, n, None)) for n in ("start_quorum", "should_commit")):
+            raise DistInputError(f"OptimizerWrapper needs a Manager, got {type(manager).__name__}")
+        self.manager = manager
+        self.optim = optim
+        try:
+            self._set_to_none = "set_to_none" in inspect.signature(optim.zero_grad).parameters
+        except (TypeError, ValueError):
+            self._set_to_none = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start the step (its quorum), then clear the gradients."""
+        self.manager.start_quorum()
+        if self._set_to_none:
+            self.optim.zero_grad(set_to_none=set_to_none)
+        else:
+            self.optim.zero_grad()
+
+    def step(self, closure: Any = None) -> bool:
+        """Step the optimizer if every participating replica finished the step; returns whether it did."""
+        if closure is not None:
+            raise DistInputError("OptimizerWrapper.step() does not take a closure (the step may be discarded)")
+        if not self.manager.should_commit():
+            return False
+        self.optim.step()
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("optim", "manager"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.optim, name)
+
+
+#: torchft's name for :class:`OptimizerWrapper` (``torchft.Optimizer``).
+Optimizer = OptimizerWrapper
 
 
 def _forwarder(name: str):
