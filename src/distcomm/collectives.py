@@ -451,10 +451,22 @@ def _batch_peer(p: P2POp, pg: ProcessGroup) -> int:
     return _group_rank(pg, p.peer, None, "peer")
 
 
+def _same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
+    """Whether ``a`` and ``b`` name one group (None and the default group are the same)."""
+    return a is b or (a is not GroupMember.NON_GROUP_MEMBER and b is not GroupMember.NON_GROUP_MEMBER
+                      and _member(a) is _member(b))
+
+
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Start every send and receive in the list; return their Works."""
     if not isinstance(p2p_op_list, (list, tuple)) or not all(isinstance(p, P2POp) for p in p2p_op_list):
         raise DistTypeError("batch_isend_irecv takes a list of P2POp")
+    if not p2p_op_list:
+        raise DistInputError("batch_isend_irecv takes a non-empty list of P2POp, got an empty one")
+    first = p2p_op_list[0].group
+    if any(not _same_group(first, p.group) for p in p2p_op_list):
+        raise DistInputError("batch_isend_irecv: every P2POp must use the same group (as torch.distributed "
+                             "requires); make one batch per group")
     peers = []
     for p in p2p_op_list:  # every peer checked before anything is posted
         pg = _member(p.group)

@@ -113,14 +113,6 @@ def _one(tensors: Sequence[Any], what: str) -> Any:
     return tensors[0]
 
 
-def _timeout_seconds(timeout: Any) -> float | None:
-    """torch's wait timeout in seconds; None for none (torch passes ``timedelta(0)`` for none)."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    return seconds if seconds > 0 else None
-
-
 class _Completer:
     """Completes torch futures (running their callbacks) off the distcomm group's worker thread,
     each on an idle thread of its own, started when none is idle: a callback may issue another
@@ -252,7 +244,7 @@ class _TorchWork(tdist.Work):
     def wait(self, timeout: Any = None) -> bool:
         if not self._done and self._work is not None:
             try:
-                self._work.wait(_timeout_seconds(timeout))
+                self._work.wait(timeout)  # timedelta(0), torch's default: none
             except BaseException:
                 if not self._work.is_completed():
                     raise  # distcomm's timeout error (or an interrupt): the operation goes on
