@@ -34,6 +34,9 @@ from .select import check_algorithm, reduce_scatter_algorithm
 
 __all__ = ["reduce_scatter", "direct_reduce_scatter"]
 
+#: Bytes a direct reduce-scatter lets its peers send it eagerly, all streams together.
+DIRECT_EAGER_BYTES = 16 * 1024 * 1024
+
 
 def reduce_scatter(
     ch: Channel,
@@ -113,7 +116,10 @@ def direct_reduce_scatter(
     if n == 1:
         return
     seg = seg_elems(inp.itemsize, max(counts), 2)
-    first = max(1, eager_count(seg, inp.itemsize) // (n - 1))  # (n-1 streams arrive at once)
+    # n-1 streams arrive at once: each is eager for up to EAGER_WINDOW bytes, all of them
+    # together for up to DIRECT_EAGER_BYTES (every eager segment holds a scratch slot)
+    first = max(1, min(eager_count(seg, inp.itemsize),
+                       DIRECT_EAGER_BYTES // ((n - 1) * seg * inp.itemsize)))
     sends: list[Request] = []
     for k in range(1, n):  # staggered: not everyone to the same rank first
         dst = (r + k) % n
