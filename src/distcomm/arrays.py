@@ -142,6 +142,14 @@ class ArrayRef:
         return arr.reshape(self.shape)
 
 
+def is_torch_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor (never imports torch: without it loaded, none is)."""
+    if not type(obj).__module__.startswith("torch"):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
 def as_array(obj: Any, *, writable: bool, what: str = "tensor") -> ArrayRef:
     """Return a flat zero-copy view of ``obj``, or raise a one-line error."""
     if isinstance(obj, np.ndarray):
@@ -151,10 +159,8 @@ def as_array(obj: Any, *, writable: bool, what: str = "tensor") -> ArrayRef:
             f"{what} is a NumPy scalar ({type(obj).__name__}); collectives need an array "
             f"they can write into, e.g. np.array([x])"
         )
-    if type(obj).__module__.startswith("torch"):
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
-            return _from_torch(obj, torch, writable, what)
+    if is_torch_tensor(obj):
+        return _from_torch(obj, sys.modules["torch"], writable, what)
     try:
         view = memoryview(obj)
     except TypeError:

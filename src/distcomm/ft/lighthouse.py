@@ -574,7 +574,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     for ms, name in (("join_timeout_ms", "join_timeout"), ("heartbeat_timeout_ms", "heartbeat_timeout")):
         if getattr(args, ms, None) is not None:
-            setattr(args, name, args.__dict__[ms] / 1000.0)
+            setattr(args, name, getattr(args, ms) / 1000.0)
     tick = getattr(args, "quorum_tick_ms", None)
     if tick is not None and not 0 < tick < math.inf:
         print("distcomm lighthouse: --quorum_tick_ms must be > 0", file=sys.stderr)

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import as_array
+from ..arrays import as_array, is_torch_tensor
 from ..deadline import Timeout, to_seconds
 from ..errors import DistBackendError, DistError, DistInputError, DistTypeError
 from ..group import ProcessGroup
@@ -57,7 +57,7 @@ from ..work import Work, completed
 from ._net import join_host_port, parse_host_port
 from .lighthouse_client import LighthouseClient, info_of_this_process
 from .reconfigurable import ReconfigurableProcessGroup
-from .recovery import ChecksumError, RecoveryServer, _is_tensor, fetch_state
+from .recovery import ChecksumError, RecoveryServer, fetch_state
 from .replica_group import ReplicaGroupClient, ReplicaGroupServer, server_key
 
 __all__ = ["Manager", "StateDictError"]
@@ -825,8 +825,8 @@ def _copy_into(target: Any, source: Any, where: str, skipped: list[str]) -> None
             raise DistBackendError(f"state {where}: cannot copy {getattr(source, 'shape', type(source))} "
                                    f"into an array of shape {target.shape}; give a load_fn")
         np.copyto(target, source)
-    elif _is_tensor(target):
-        if not _is_tensor(source) or tuple(source.shape) != tuple(target.shape):
+    elif is_torch_tensor(target):
+        if not is_torch_tensor(source) or tuple(source.shape) != tuple(target.shape):
             raise DistBackendError(f"state {where}: cannot copy {getattr(source, 'shape', type(source))} "
                                    f"into a tensor of shape {tuple(target.shape)}; give a load_fn")
         target.detach().copy_(source)

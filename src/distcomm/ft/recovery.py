@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import is_torch_tensor
 from ..errors import DistError, DistNetworkError, DistTypeError
 from ._net import listen, parse_host_port
 
@@ -50,11 +51,6 @@ class ChecksumError(DistError):
 
 
 # -- trees <-> (JSON, arrays) ---------------------------------------------------------------
-def _is_tensor(obj: Any) -> bool:
-    """Whether ``obj`` is a torch tensor (torch is not imported to find out)."""
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "detach") and hasattr(obj, "numpy")
-
-
 def _tensor_as_array(t: Any) -> tuple[np.ndarray, str]:
     """A torch tensor's bytes as a NumPy array (no copy for a contiguous CPU tensor) and its dtype."""
     t = t.detach()
@@ -87,15 +83,15 @@ def flatten(tree: Any, allow_pickle: bool = False, path: str = "") -> tuple[Any,
         if isinstance(obj, np.ndarray):
             arrays.append(obj if obj.flags.c_contiguous else np.ascontiguousarray(obj))
             return {"$array": len(arrays) - 1}
-        if _is_tensor(obj):
+        if is_torch_tensor(obj):
             arr, dtype = _tensor_as_array(obj)
             arrays.append(arr)
             return {"$tensor": len(arrays) - 1, "dtype": dtype}
         if isinstance(obj, dict):
             if not all(isinstance(k, str) for k in obj):
-                bad = next((k for k in obj if not (k is None or isinstance(k, (str, int, float)))), _NO_KEY)
-                if bad is not _NO_KEY:
-                    raise DistTypeError(f"state key {bad!r} at {where or '/'} is not a str, number, bool or None")
+                for k in obj:
+                    if not (k is None or isinstance(k, (str, int, float))):
+                        raise DistTypeError(f"state key {k!r} at {where or '/'} is not a str, number, bool or None")
                 return {"$items": [[k, walk(v, f"{where}/{k}")] for k, v in obj.items()]}
             out = {}
             for k, v in obj.items():
@@ -115,9 +111,6 @@ def flatten(tree: Any, allow_pickle: bool = False, path: str = "") -> tuple[Any,
         )
 
     return walk(tree, path), arrays
-
-
-_NO_KEY = object()
 
 
 def unflatten(meta: Any, arrays: list[np.ndarray], allow_pickle: bool = False) -> Any:
