@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import time
+from collections import deque
 
 import numpy as np
 import pytest
@@ -508,3 +509,38 @@ def test_the_matcher_finds_messages_of_calls_this_rank_finished_without_them():
     m.keep_early(4, 7, tag(1, bc, 1), b"x" * 8)
     assert m.held.get_called and "broadcast with root 1 (seq 1)" in str(m.stale[7])
     assert m.begin(7, tag(3, ar), members) is m.stale[7]
+
+
+def test_a_released_socket_goes_back_to_the_progress_thread_sooner_when_its_data_is_wanted():
+    """The parking policy (see tcp.REARM_DELAY): a socket a waiting thread let go is watched
+    again after REARM_DELAY, after REARM_SOON while a receive from its peer is posted, at
+    once while a send to it waits for its grant; the progress thread sleeps until the first
+    comes due (PARKED_RECHECK while waiting threads still hold them all)."""
+    import threading
+    from types import SimpleNamespace
+
+    from distcomm.transport import tcp
+    from distcomm.transport.matching import Matcher, RecvRequest
+
+    fake = SimpleNamespace(_mu=threading.Lock(), _matcher=Matcher())
+    fake._rearm_after = lambda p: TcpTransport._rearm_after(fake, p)
+    one, two = tcp._Peer(1), tcp._Peer(2)
+    assert TcpTransport._rearm_after(fake, one) == tcp.REARM_DELAY
+    fake._matcher.post(RecvRequest(2, 7, 1, memoryview(bytearray(4)), {0: 0, 1: 1, 2: 2}))
+    assert TcpTransport._rearm_after(fake, one) == tcp.REARM_DELAY  # wanted from rank 2 only
+    assert TcpTransport._rearm_after(fake, two) == tcp.REARM_SOON
+    one.waiting[(7, 3)] = deque()
+    assert TcpTransport._rearm_after(fake, one) == 0.0
+    one.waiting.clear()
+    fake._matcher.post(RecvRequest(None, 7, 2, memoryview(bytearray(4)), {0: 0, 1: 1, 2: 2}))
+    assert TcpTransport._rearm_after(fake, one) == tcp.REARM_SOON  # a receive from any source
+
+    fake._matcher = Matcher()
+    now = time.monotonic()
+    one.released, two.released = now, now
+    delay = TcpTransport._parked_delay(fake, {one, two})
+    assert tcp.REARM_DELAY - 0.5 < delay <= tcp.REARM_DELAY
+    two.released = now - 1.0  # let go long ago: due now
+    assert TcpTransport._parked_delay(fake, {one, two}) == tcp._PARKED_MIN_WAIT
+    with one.rlock, two.rlock:  # both being read
+        assert TcpTransport._parked_delay(fake, {one, two}) == tcp.PARKED_RECHECK

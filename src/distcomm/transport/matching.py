@@ -282,6 +282,10 @@ class Matcher:
         """Whether a receive that a DATA frame from ``peer`` would fill is posted."""
         return any(req.accepts(peer) for req in self.posts.get((group, tag), ()))
 
+    def posted_from(self, peer: int) -> bool:
+        """Whether any receive a DATA frame from ``peer`` could fill is posted."""
+        return any(req.accepts(peer) for posts in self.posts.values() for req in posts)
+
     def has_early(self, req: RecvRequest) -> bool:
         """Whether a message ``req`` would take is already here."""
         return any(req.accepts(peer) for peer, _ in self.early.get((req.group, req.tag), ()))
