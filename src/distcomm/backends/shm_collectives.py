@@ -78,6 +78,14 @@ bounce buffer);
 ``broadcast`` and ``reduce_scatter_tensor`` do not (their copies into the
 slots run on every rank at once, which beats one rank reading through the
 kernel).
+
+Peers' private arrays are only ever read, never written (``process_vm_writev``
+would let a rank push its reduced slice into every peer's array at once and
+save the trailing phase): a rank that timed out, or was told of a failure,
+returns and its program may free or reuse the array, while a peer that was
+only slow (stopped, descheduled) could still write there later, silently
+corrupting memory of a process that moved on.  A late read only harms the
+reader's own result, and its call fails anyway.
 """
 
 from __future__ import annotations
