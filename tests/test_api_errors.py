@@ -24,6 +24,7 @@ from collective_cases import (
 
 import distcomm as dist
 from distcomm.errors import DistInputError
+from distcomm.store import TCPStore
 from distcomm.testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,6 +115,15 @@ def _disagreeing(rank: int, world_size: int, backend: str, port: int, body: Call
     from collective_cases import init
 
     init(rank, world_size, backend, port, timeout=20)
+    # Every rank past its initialisation first, through the store (a barrier would fail when
+    # a faster rank's abort reaches it): a rank whose call ends at once (a root whose small
+    # sends need no receiver) would otherwise exit, and rank 0 take the store with it, while
+    # a peer still sets up (with `auto`, its machine's shared-memory group; seen in CI).
+    store = TCPStore("127.0.0.1", port, world_size, False, 20)
+    if store.add("test/initialised", 1) == world_size:
+        store.set("test/all-initialised", "1")
+    store.wait(["test/all-initialised"])
+    store.close()
     out: dict[str, Any] = {"error": None, "correct": None, "seconds": None}
     t0 = time.monotonic()
     try:
