@@ -523,17 +523,19 @@ def test_a_released_socket_goes_back_to_the_progress_thread_sooner_when_its_data
     from distcomm.transport.matching import Matcher, RecvRequest
 
     fake = SimpleNamespace(_mu=threading.Lock(), _matcher=Matcher())
-    fake._rearm_after = lambda p: TcpTransport._rearm_after(fake, p)
+    fake._wanted = lambda: TcpTransport._wanted(fake)
     one, two = tcp._Peer(1), tcp._Peer(2)
-    assert TcpTransport._rearm_after(fake, one) == tcp.REARM_DELAY
-    fake._matcher.post(RecvRequest(2, 7, 1, memoryview(bytearray(4)), {0: 0, 1: 1, 2: 2}))
-    assert TcpTransport._rearm_after(fake, one) == tcp.REARM_DELAY  # wanted from rank 2 only
-    assert TcpTransport._rearm_after(fake, two) == tcp.REARM_SOON
+    members = {0: 0, 1: 1, 2: 2}
+    assert tcp._rearm_after(one, fake._wanted()) == tcp.REARM_DELAY
+    fake._matcher.post(RecvRequest(2, 7, 1, memoryview(bytearray(4)), members))
+    assert fake._wanted() == {2}
+    assert tcp._rearm_after(one, fake._wanted()) == tcp.REARM_DELAY  # wanted from rank 2 only
+    assert tcp._rearm_after(two, fake._wanted()) == tcp.REARM_SOON
     one.waiting[(7, 3)] = deque()
-    assert TcpTransport._rearm_after(fake, one) == 0.0
+    assert tcp._rearm_after(one, fake._wanted()) == 0.0
     one.waiting.clear()
-    fake._matcher.post(RecvRequest(None, 7, 2, memoryview(bytearray(4)), {0: 0, 1: 1, 2: 2}))
-    assert TcpTransport._rearm_after(fake, one) == tcp.REARM_SOON  # a receive from any source
+    fake._matcher.post(RecvRequest(None, 7, 2, memoryview(bytearray(4)), members))
+    assert tcp._rearm_after(one, fake._wanted()) == tcp.REARM_SOON  # a receive from any source
 
     fake._matcher = Matcher()
     now = time.monotonic()

@@ -282,9 +282,16 @@ class Matcher:
         """Whether a receive that a DATA frame from ``peer`` would fill is posted."""
         return any(req.accepts(peer) for req in self.posts.get((group, tag), ()))
 
-    def posted_from(self, peer: int) -> bool:
-        """Whether any receive a DATA frame from ``peer`` could fill is posted."""
-        return any(req.accepts(peer) for posts in self.posts.values() for req in posts)
+    def wanted_from(self) -> set[int]:
+        """The process ranks whose DATA frames some posted receive could take."""
+        peers: set[int] = set()
+        for posts in self.posts.values():
+            for req in posts:
+                if req.bound is not None:
+                    peers.add(req.bound)
+                else:
+                    peers.update(req.members)
+        return peers
 
     def has_early(self, req: RecvRequest) -> bool:
         """Whether a message ``req`` would take is already here."""

@@ -1315,29 +1315,30 @@ class TcpTransport:
     def _unpark(self, parked: set[_Peer], now_all: bool = False) -> None:
         """Watch again the parked sockets that came due (:meth:`_rearm_after`), or all."""
         now = time.monotonic()
+        wanted = self._wanted()
         for p in list(parked):
             if p.state != "up":
                 parked.discard(p)
-            elif (now_all or now - p.released >= self._rearm_after(p)) and p.rlock.acquire(blocking=False):
+            elif (now_all or now - p.released >= _rearm_after(p, wanted)) and p.rlock.acquire(blocking=False):
                 parked.discard(p)
                 self._rearm(p)  # (what came meanwhile fires the event at once)
                 p.rlock.release()
 
-    def _rearm_after(self, p: _Peer) -> float:
-        """How long after its reader let go the parked socket of ``p`` is watched again."""
-        if p.waiting:  # a send waits for its grant
-            return 0.0
+    def _wanted(self) -> set[int]:
+        """The peers some posted receive waits on."""
         with self._mu:
-            return REARM_SOON if self._matcher.posted_from(p.rank) else REARM_DELAY
+            return self._matcher.wanted_from()
 
     def _parked_delay(self, parked: set[_Peer]) -> float:
         """Seconds until the first parked socket comes due; PARKED_RECHECK while waiting
         threads still read them all.  Waking only then, not every few milliseconds, spares
         the progress thread (and the GIL) futile wake-ups while a waiting thread keeps
         taking the sockets back."""
-        now = time.monotonic()
-        due = [q.released + self._rearm_after(q) - now for q in parked if not q.rlock.locked()]
-        return max(_PARKED_MIN_WAIT, min(due)) if due else PARKED_RECHECK
+        free = [q for q in parked if not q.rlock.locked()]
+        if not free:
+            return PARKED_RECHECK
+        now, wanted = time.monotonic(), self._wanted()
+        return max(_PARKED_MIN_WAIT, min(q.released + _rearm_after(q, wanted) - now for q in free))
 
     def _undefer(self, deferred: set[_Peer], parked: set[_Peer], everything: bool = False) -> None:
         """Read again the deferred sockets whose payload now has its receive, or
@@ -1657,6 +1658,14 @@ class TcpChannel(Channel):
 
     def connect_all(self) -> None:
         self._t.connect_all(self._ranks)
+
+
+def _rearm_after(p: _Peer, wanted: set[int]) -> float:
+    """How long after its reader let go the parked socket of ``p`` is watched again
+    (``wanted``: the peers some posted receive waits on)."""
+    if p.waiting:  # a send waits for its grant
+        return 0.0
+    return REARM_SOON if p.rank in wanted else REARM_DELAY
 
 
 def _other_mask(q: _Peer, reading: bool) -> int:
