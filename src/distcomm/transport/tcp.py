@@ -20,7 +20,8 @@ waits; a socket a waiting
 thread was reading is left to that thread while it keeps coming back, and
 handed back after :data:`REARM_DELAY` without a reader (:data:`REARM_SOON`
 while a receive from that peer is posted, at once when a send to that peer
-waits for its grant), so each message wakes one thread, not two.  A writer thread per peer finishes writes nobody waits to do.  A
+waits for its grant), so each message wakes one thread, not two.  A writer
+thread per peer finishes writes nobody waits to do.  A
 connection that ends fails every request that depended on that peer with a
 :class:`~distcomm.errors.DistBackendError` naming it.
 
@@ -1315,7 +1316,7 @@ class TcpTransport:
     def _unpark(self, parked: set[_Peer], now_all: bool = False) -> None:
         """Watch again the parked sockets that came due (:meth:`_rearm_after`), or all."""
         now = time.monotonic()
-        wanted = self._wanted()
+        wanted = self._wanted() if now_all or any(not q.rlock.locked() for q in parked) else set()
         for p in list(parked):
             if p.state != "up":
                 parked.discard(p)
