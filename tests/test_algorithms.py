@@ -678,3 +678,31 @@ def test_eager_messages_are_the_first_window_of_each_stream(name):
             assert sum(n for e, n in msgs if e) <= max(EAGER_WINDOW, msgs[0][1]), name
         if length == 16:
             assert all(e for msgs in streams.values() for e, _ in msgs), name
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_direct_reduce_scatter_cuts_each_block_in_few_segments(size):
+    """The direct reduce-scatter sends each block in DIRECT_SEGMENTS_PER_BLOCK segments
+    (at least SEGMENT_BYTES each): its streams arrive at once, so it pipelines across
+    them.  Blocks of several segments, even and uneven, reduce right."""
+    from distcomm.algorithms._common import SEGMENT_BYTES
+    from distcomm.algorithms.reduce_scatter import DIRECT_SEGMENTS_PER_BLOCK
+
+    block = 3 * SEGMENT_BYTES // 8  # float64 elements: 1.5 segments' worth of 512 KiB
+    log = record("reduce_scatter-direct", size, size * block * DIRECT_SEGMENTS_PER_BLOCK)
+    per_stream: dict = {}
+    for src, dst, _tag, _nbytes in log:
+        per_stream[(src, dst)] = per_stream.get((src, dst), 0) + 1
+    assert len(per_stream) == size * (size - 1)
+    assert set(per_stream.values()) == {DIRECT_SEGMENTS_PER_BLOCK}
+
+    counts = [block * DIRECT_SEGMENTS_PER_BLOCK + 7 * r for r in range(size)]
+
+    def fn(ch):
+        a = data(ch.rank, sum(counts), np.int64)  # (exact: the order of the additions varies)
+        return alg.reduce_scatter(ch, a, add, 0, dl(), counts=counts, algo="direct").copy()
+
+    want = total(size, sum(counts), np.int64)
+    off = np.cumsum([0] + counts)
+    for r, mine in enumerate(run_threads(size, fn)):
+        np.testing.assert_array_equal(mine, want[off[r] : off[r + 1]])

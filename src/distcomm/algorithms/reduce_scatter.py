@@ -36,6 +36,10 @@ __all__ = ["reduce_scatter", "direct_reduce_scatter"]
 
 #: Bytes a direct reduce-scatter lets its peers send it eagerly, all streams together.
 DIRECT_EAGER_BYTES = 16 * 1024 * 1024
+#: Segments per block of a direct reduce-scatter (other algorithms: SEGMENTS_PER_BLOCK, 8):
+#: its n-1 streams arrive at once, so receiving overlaps reducing across streams and a
+#: stream needs little pipelining of its own, while every segment costs interpreter time.
+DIRECT_SEGMENTS_PER_BLOCK = 2
 
 
 def reduce_scatter(
@@ -115,7 +119,7 @@ def direct_reduce_scatter(
         copy_into(out, mine)
     if n == 1:
         return
-    seg = seg_elems(inp.itemsize, max(counts), 2)
+    seg = seg_elems(inp.itemsize, max(counts), 2, DIRECT_SEGMENTS_PER_BLOCK)
     # n-1 streams arrive at once: each is eager for up to EAGER_WINDOW bytes, all of them
     # together for up to DIRECT_EAGER_BYTES (every eager segment holds a scratch slot)
     first = max(1, min(eager_count(seg, inp.itemsize),
