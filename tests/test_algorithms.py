@@ -681,22 +681,22 @@ def test_eager_messages_are_the_first_window_of_each_stream(name):
 
 
 @pytest.mark.parametrize("size", [3, 4])
-def test_direct_reduce_scatter_cuts_each_block_in_few_segments(size):
-    """The direct reduce-scatter sends each block in DIRECT_SEGMENTS_PER_BLOCK segments
-    (at least SEGMENT_BYTES each): its streams arrive at once, so it pipelines across
-    them.  Blocks of several segments, even and uneven, reduce right."""
+def test_direct_reduce_scatter_cuts_each_block_in_few_pieces(size):
+    """The direct reduce-scatter sends each block in DIRECT_PIECES pieces (at least
+    SEGMENT_BYTES each): its streams arrive at once, so it pipelines across them.
+    Blocks of several pieces, even and uneven, reduce right."""
     from distcomm.algorithms._common import SEGMENT_BYTES
-    from distcomm.algorithms.reduce_scatter import DIRECT_SEGMENTS_PER_BLOCK
+    from distcomm.algorithms.reduce_scatter import DIRECT_PIECES
 
     block = 3 * SEGMENT_BYTES // 8  # float64 elements: 1.5 segments' worth of 512 KiB
-    log = record("reduce_scatter-direct", size, size * block * DIRECT_SEGMENTS_PER_BLOCK)
+    log = record("reduce_scatter-direct", size, size * block * DIRECT_PIECES)
     per_stream: dict = {}
     for src, dst, _tag, _nbytes in log:
         per_stream[(src, dst)] = per_stream.get((src, dst), 0) + 1
     assert len(per_stream) == size * (size - 1)
-    assert set(per_stream.values()) == {DIRECT_SEGMENTS_PER_BLOCK}
+    assert set(per_stream.values()) == {DIRECT_PIECES}
 
-    counts = [block * DIRECT_SEGMENTS_PER_BLOCK + 7 * r for r in range(size)]
+    counts = [block * DIRECT_PIECES + 7 * r for r in range(size)]
 
     def fn(ch):
         a = data(ch.rank, sum(counts), np.int64)  # (exact: the order of the additions varies)
@@ -706,3 +706,19 @@ def test_direct_reduce_scatter_cuts_each_block_in_few_segments(size):
     off = np.cumsum([0] + counts)
     for r, mine in enumerate(run_threads(size, fn)):
         np.testing.assert_array_equal(mine, want[off[r] : off[r + 1]])
+
+
+def test_direct_pieces_of_blocks_of_different_sizes_differ_early():
+    """Two ranks that disagree on a block's size (by one element or more) disagree on the
+    size of a piece both send or expect, so the receiver's size check names the mistake
+    instead of a piece going unclaimed (or awaited) on one side."""
+    from distcomm.algorithms.reduce_scatter import pieces
+
+    for itemsize in (1, 4, 8):
+        for n in (1, 100, 65_535, 65_536, 131_071, 131_072, 131_073, 200_000, 262_144, 1_000_000,
+                  4_194_304):
+            for d in (1, 2, 7, 1000):
+                mine = [e - a for a, e in pieces(0, n, itemsize)]
+                theirs = [e - a for a, e in pieces(10, 10 + n + d, itemsize)]
+                assert sum(mine) == n and sum(theirs) == n + d
+                assert any(x != y for x, y in zip(mine, theirs, strict=False)), (itemsize, n, d)

@@ -135,12 +135,12 @@ def offsets(counts: Sequence[int]) -> list[int]:
     return out
 
 
-def seg_elems(itemsize: int, longest: int, phases: int, per_block: int = SEGMENTS_PER_BLOCK) -> int:
-    """Elements per segment: the ``longest``-element block cut in about ``per_block``
-    pieces of SEGMENT_BYTES to MAX_SEGMENT_BYTES, larger if ``phases`` steps of such
-    blocks would otherwise run out of tag steps."""
+def seg_elems(itemsize: int, longest: int, phases: int) -> int:
+    """Elements per segment: the ``longest``-element block cut in about
+    SEGMENTS_PER_BLOCK pieces of SEGMENT_BYTES to MAX_SEGMENT_BYTES, larger if
+    ``phases`` steps of such blocks would otherwise run out of tag steps."""
     itemsize = max(1, itemsize)
-    nbytes = min(MAX_SEGMENT_BYTES, max(SEGMENT_BYTES, longest * itemsize // per_block))
+    nbytes = min(MAX_SEGMENT_BYTES, max(SEGMENT_BYTES, longest * itemsize // SEGMENTS_PER_BLOCK))
     seg = max(1, nbytes // itemsize)
     budget = (_STEPS - 64) // max(1, phases)
     if -(-longest // seg) > budget:

@@ -12,6 +12,7 @@ from ..memcopy import copy_into
 from ..transport.base import Channel, Request, wait_all
 from ._common import (
     REDUCE,
+    SEGMENT_BYTES,
     Combine,
     Item,
     Scratch,
@@ -25,9 +26,7 @@ from ._common import (
     ring_pass,
     same_memory,
     scratch_for,
-    seg_elems,
     send_all,
-    split,
 )
 from .allreduce import rd_allreduce
 from .select import check_algorithm, reduce_scatter_algorithm
@@ -36,10 +35,11 @@ __all__ = ["reduce_scatter", "direct_reduce_scatter"]
 
 #: Bytes a direct reduce-scatter lets its peers send it eagerly, all streams together.
 DIRECT_EAGER_BYTES = 16 * 1024 * 1024
-#: Segments per block of a direct reduce-scatter (other algorithms: SEGMENTS_PER_BLOCK, 8):
-#: its n-1 streams arrive at once, so receiving overlaps reducing across streams and a
-#: stream needs little pipelining of its own, while every segment costs interpreter time.
-DIRECT_SEGMENTS_PER_BLOCK = 2
+#: Pieces a direct reduce-scatter cuts a block in (other algorithms: segments of about
+#: 1/SEGMENTS_PER_BLOCK, 8): its n-1 streams arrive at once, so receiving overlaps reducing
+#: across streams and a stream needs little pipelining of its own, while every message costs
+#: interpreter time.
+DIRECT_PIECES = 2
 
 
 def reduce_scatter(
@@ -78,6 +78,17 @@ def reduce_scatter(
         else:
             ring_pass(ch, arr, counts, seq, deadline, 0, n - 1, combine, s)
     return mine
+
+
+def pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in up to DIRECT_PIECES nearly equal pieces of at least SEGMENT_BYTES
+    (one if smaller).  The pieces follow from the block's size alone, so two ranks that
+    disagree on a block's size disagree on some piece's size (the receiver's size error
+    names it), never only on how many pieces there are."""
+    count = hi - lo
+    k = max(1, min(DIRECT_PIECES, count * itemsize // SEGMENT_BYTES))
+    step = max(1, -(-count // k))
+    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
 def direct_reduce_scatter(
@@ -119,17 +130,17 @@ def direct_reduce_scatter(
         copy_into(out, mine)
     if n == 1:
         return
-    seg = seg_elems(inp.itemsize, max(counts), 2, DIRECT_SEGMENTS_PER_BLOCK)
     # n-1 streams arrive at once: each is eager for up to EAGER_WINDOW bytes, all of them
-    # together for up to DIRECT_EAGER_BYTES (every eager segment holds a scratch slot)
+    # together for up to DIRECT_EAGER_BYTES (every eager piece holds a scratch slot)
+    seg = max(b - a for a, b in pieces(0, max(counts), inp.itemsize))
     first = max(1, min(eager_count(seg, inp.itemsize),
                        DIRECT_EAGER_BYTES // ((n - 1) * seg * inp.itemsize)))
     sends: list[Request] = []
     for k in range(1, n):  # staggered: not everyone to the same rank first
         dst = (r + k) % n
-        sends += send_all(ch, dst, seq, 0, inp, split(off[dst], off[dst + 1], seg), first)
+        sends += send_all(ch, dst, seq, 0, inp, pieces(off[dst], off[dst + 1], inp.itemsize), first)
     items: list[Item] = []
-    for j, (a, e) in enumerate(split(0, counts[r], seg)):
+    for j, (a, e) in enumerate(pieces(0, counts[r], inp.itemsize)):
         for k in range(1, n):
             items.append(((r - k) % n, eager(j, j, first), out[a:e], REDUCE, None, ()))
     drive(ch, seq, items, deadline, sends, combine, scratch)
