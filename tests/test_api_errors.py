@@ -115,15 +115,6 @@ def _disagreeing(rank: int, world_size: int, backend: str, port: int, body: Call
     from collective_cases import init
 
     init(rank, world_size, backend, port, timeout=20)
-    # Every rank past its initialisation first, through the store (a barrier would fail when
-    # a faster rank's abort reaches it): a rank whose call ends at once (a root whose small
-    # sends need no receiver) would otherwise exit, and rank 0 take the store with it, while
-    # a peer still sets up (with `auto`, its machine's shared-memory group; seen in CI).
-    store = TCPStore("127.0.0.1", port, world_size, False, 20)
-    if store.add("test/initialised", 1) == world_size:
-        store.set("test/all-initialised", "1")
-    store.wait(["test/all-initialised"])
-    store.close()
     out: dict[str, Any] = {"error": None, "correct": None, "seconds": None}
     t0 = time.monotonic()
     try:
@@ -131,6 +122,16 @@ def _disagreeing(rank: int, world_size: int, backend: str, port: int, body: Call
     except dist.DistError as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["seconds"] = time.monotonic() - t0
+    # Rank 0 hosts the store: it leaves only once every rank is done with it.  A rank whose
+    # call ends at once (a root whose small sends need no receiver) would otherwise take the
+    # store away from a peer still initialising (with `auto`, its machine's shared-memory
+    # group; seen in CI).  Through the store, not a barrier, which a faster rank's abort fails.
+    store = TCPStore("127.0.0.1", port, world_size, False, 20)
+    store.add("test/done", 1)
+    deadline = time.monotonic() + 20
+    while rank == 0 and store.add("test/done", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.close()
     dist.destroy_process_group()
     return out
 

@@ -132,7 +132,7 @@ def direct_reduce_scatter(
         return
     # n-1 streams arrive at once: each is eager for up to EAGER_WINDOW bytes, all of them
     # together for up to DIRECT_EAGER_BYTES (every eager piece holds a scratch slot)
-    seg = max(b - a for a, b in pieces(0, max(counts), inp.itemsize))
+    seg = max((b - a for a, b in pieces(0, max(counts), inp.itemsize)), default=1)
     first = max(1, min(eager_count(seg, inp.itemsize),
                        DIRECT_EAGER_BYTES // ((n - 1) * seg * inp.itemsize)))
     sends: list[Request] = []
