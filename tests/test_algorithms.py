@@ -712,6 +712,7 @@ def test_direct_pieces_of_blocks_of_different_sizes_differ_early():
     """Two ranks that disagree on a block's size (by one element or more) disagree on the
     size of a piece both send or expect, so the receiver's size check names the mistake
     instead of a piece going unclaimed (or awaited) on one side."""
+    from distcomm.algorithms._common import MAX_SEGMENT_BYTES
     from distcomm.algorithms.reduce_scatter import pieces
 
     for itemsize in (1, 4, 8):
@@ -721,4 +722,5 @@ def test_direct_pieces_of_blocks_of_different_sizes_differ_early():
                 mine = [e - a for a, e in pieces(0, n, itemsize)]
                 theirs = [e - a for a, e in pieces(10, 10 + n + d, itemsize)]
                 assert sum(mine) == n and sum(theirs) == n + d
+                assert max(mine) * itemsize <= max(MAX_SEGMENT_BYTES, itemsize)  # bounded pieces
                 assert any(x != y for x, y in zip(mine, theirs, strict=False)), (itemsize, n, d)

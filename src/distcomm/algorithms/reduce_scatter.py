@@ -11,6 +11,7 @@ from ..errors import DistInputError
 from ..memcopy import copy_into
 from ..transport.base import Channel, Request, wait_all
 from ._common import (
+    MAX_SEGMENT_BYTES,
     REDUCE,
     SEGMENT_BYTES,
     Combine,
@@ -81,12 +82,14 @@ def reduce_scatter(
 
 
 def pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` in up to DIRECT_PIECES nearly equal pieces of at least SEGMENT_BYTES
-    (one if smaller).  The pieces follow from the block's size alone, so two ranks that
-    disagree on a block's size disagree on some piece's size (the receiver's size error
-    names it), never only on how many pieces there are."""
+    """``[lo, hi)`` in DIRECT_PIECES nearly equal pieces of at least SEGMENT_BYTES (fewer
+    if it is smaller) and at most MAX_SEGMENT_BYTES (more if it is larger).  The pieces
+    follow from the block's size alone, so two ranks that disagree on a block's size
+    disagree on some piece's size (the receiver's size error names it), never only on
+    how many pieces there are."""
     count = hi - lo
-    k = max(1, min(DIRECT_PIECES, count * itemsize // SEGMENT_BYTES))
+    nbytes = count * itemsize
+    k = max(1, min(DIRECT_PIECES, nbytes // SEGMENT_BYTES), -(-nbytes // MAX_SEGMENT_BYTES))
     step = max(1, -(-count // k))
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
