@@ -23,7 +23,7 @@ from distcomm.algorithms._common import (
 )
 from distcomm.deadline import Deadline
 from distcomm.errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
-from distcomm.transport.base import EAGER_STEP, MAX_STEP, Channel, is_eager
+from distcomm.transport.base import EAGER_STEP, LAST_STEP, MAX_STEP, Channel, is_eager
 from distcomm.transport.inproc import InProcHub, run_threads
 
 pytestmark = pytest.mark.timeout(60)
@@ -510,7 +510,7 @@ def test_explicit_scratch_is_used():
 def test_segments_fit_the_tag_space():
     for itemsize, longest, phases in itertools.product((1, 8), (10, 2**20, 2**40), (1, 16, 2000)):
         seg = seg_elems(itemsize, longest, phases)
-        assert phases * nsegs(longest, seg) < EAGER_STEP <= MAX_STEP  # (the eager bit stays free)
+        assert phases * nsegs(longest, seg) < LAST_STEP < EAGER_STEP <= MAX_STEP  # (those bits stay free)
     assert seg_elems(4, 10**6, 2) == SEGMENT_BYTES // 4
     # large blocks are cut in SEGMENTS_PER_BLOCK pieces, up to MAX_SEGMENT_BYTES each
     assert seg_elems(4, 8 * 2**20, 2) == 8 * 2**20 // SEGMENTS_PER_BLOCK

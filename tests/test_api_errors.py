@@ -23,6 +23,7 @@ from collective_cases import (
 )
 
 import distcomm as dist
+from distcomm.algorithms import select
 from distcomm.errors import DistInputError
 from distcomm.store import TCPStore
 from distcomm.testing import free_port
@@ -182,7 +183,9 @@ def _sizes_disagree(rank: int, world_size: int, op: str, count: int) -> bool:
     return bool((x == rank).all())
 
 
-@pytest.mark.parametrize("count", [4, 200_000], ids=["small", "large"])
+# 262,144 float64 (2 MiB): whole segments of 512 KiB on all but the last rank, whose one more
+# element would be a segment of its own.
+@pytest.mark.parametrize("count", [4, 200_000, 262_144], ids=["small", "large", "segments"])
 @pytest.mark.parametrize("op", ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
                                 "reduce_scatter_tensor", "gather", "scatter"])
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -191,6 +194,29 @@ def test_arrays_of_different_sizes_across_ranks_are_an_error_not_wrong_data(back
     _check_disagreeing(results)
     named = [r["error"] for r in results if r["error"] and "different sizes" in r["error"]]
     assert named, f"no error says the ranks passed arrays of different sizes: {results}"
+
+
+_F64 = 8
+_SWITCHES = {  # (op, world size, count): count and count + 1 elements choose different algorithms
+    "all_reduce rd/ring": ("all_reduce", 2, select.ALLREDUCE_RD_MAX_BYTES // _F64),
+    "all_reduce tree/ring": ("all_reduce", 3, select.ALLREDUCE_TREE_MAX_BYTES // _F64),
+    "all_reduce hd/ring": ("all_reduce", 4, select.ALLREDUCE_HD_MAX_BYTES // _F64),
+    "reduce binomial/ring": ("reduce", 3, select.REDUCE_RING_MIN_BYTES // _F64 - 1),
+    "broadcast binomial/chain": ("broadcast", 3, select.BROADCAST_CHAIN_MIN_BYTES // _F64 - 1),
+    "all_gather bruck/ring": ("all_gather_into_tensor", 4, select.ALLGATHER_BRUCK_MAX_BYTES // (4 * _F64)),
+    "reduce_scatter rd/direct": ("reduce_scatter_tensor", 4, select.REDUCE_SCATTER_RD_MAX_BYTES // (4 * _F64)),
+}
+
+
+@pytest.mark.parametrize("case", list(_SWITCHES))
+def test_arrays_whose_sizes_choose_different_algorithms_are_an_error_not_a_wait(case):
+    """The last rank's array is one element longer, across the size where the collective
+    changes algorithm: the ranks' messages follow different patterns, and the first message
+    of the other algorithm tells its receiver (TCP; shared memory compares sizes anyway)."""
+    op, world_size, count = _SWITCHES[case]
+    results = run_world(_disagreeing, world_size, "tcp", _sizes_disagree, op, count, timeout=60)
+    _check_disagreeing(results)
+    assert any(r["error"] and "different sizes" in r["error"] for r in results), results
 
 
 def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:

@@ -421,6 +421,65 @@ def test_the_matcher_fails_a_receive_whose_peer_sent_for_another_collective_of_t
     assert probed == [[], [2], [], [], [2], []]
 
 
+def test_the_matcher_finds_ranks_that_cut_a_block_differently_or_chose_another_algorithm():
+    """Ranks whose arrays differ in size: a message whose step this rank expects with another
+    eager or last bit (the sender cut the block in other pieces), or a message of the same
+    call under another algorithm, fails the receive at once, whichever comes first."""
+    from distcomm.transport.base import COLLECTIVE_CODES, LAST_STEP, coded_seq
+    from distcomm.transport.matching import Matcher, RecvRequest
+
+    ar = COLLECTIVE_CODES["all_reduce"]
+    members = {0: 0, 1: 1, 2: 2}
+
+    def tag(step, variant=0, seq=5):
+        return collective_tag(coded_seq(seq, ar, variant=variant), step)
+
+    def recv(t, peer=1):
+        return RecvRequest(peer, 7, t, memoryview(bytearray(8)), members)
+
+    # the receiver expects more pieces than the sender cut: its piece 3 is the sender's last
+    m = Matcher()
+    mine = recv(tag(3))
+    assert m.post(mine) == (None, None)
+    m.keep_early(2, 7, tag(3 | LAST_STEP), b"x" * 8)  # another peer's stream: not this one
+    m.keep_early(1, 7, tag(4), b"x" * 8)  # another step: a later piece, fine
+    assert not mine.done()
+    m.keep_early(1, 7, tag(3 | LAST_STEP), b"x" * 8)
+    assert mine.done() and str(mine.error) == (
+        "rank 1 cut its data of all_reduce (seq 5) in other pieces than this rank (step 3): the ranks "
+        "passed arrays of different sizes")
+    assert mine.error.peer == 1 and (7, tag(3)) not in m.posts
+
+    # announced by an RTS, with another eager bit, before the receive is posted
+    m = Matcher()
+    assert m.on_rts(1, 7, tag(6 | EAGER_STEP), 1 << 20) is False
+    late = recv(tag(6 | LAST_STEP))
+    assert m.post(late) == (None, None) and late.done() and "(step 6)" in str(late.error)
+    assert m.post(same := recv(tag(6 | EAGER_STEP))) == (None, 1) and not same.done()  # (the one sent)
+
+    # the tag a peer waits in (a CALL frame) may differ so from this rank's receive of the
+    # other direction (halves cut in different numbers of pieces): no error
+    m = Matcher()
+    other_way = recv(tag(2 | LAST_STEP))
+    m.post(other_way)
+    m.clash_with(1, 7, tag(2))
+    assert not other_way.done()
+
+    # the same call under another algorithm (chosen for another size)
+    m = Matcher()
+    ring = recv(tag(0, variant=0))
+    m.post(ring)
+    m.keep_early(1, 7, tag(9, variant=3), b"x" * 8)
+    assert ring.done() and "rank 1 chose another algorithm for its all_reduce" in str(ring.error)
+    assert str(ring.error).endswith("the ranks passed arrays of different sizes")
+    m = Matcher()  # ... or arriving while this rank is in the call, with nothing posted from it
+    assert m.begin(7, tag(0, variant=1), members) is None
+    m.keep_early(2, 7, tag(1, variant=2), b"x" * 8)
+    assert "rank 2 chose another algorithm" in str(m.stale[7]) and m.failing
+    m.keep_early(2, 7, tag(1, variant=1, seq=6), b"x" * 8)  # the next call's, another one: fine
+    assert m.begin(8, tag(0, variant=1), members) is None
+
+
 def test_the_matcher_finds_messages_of_calls_this_rank_finished_without_them():
     """Two roots that only send never wait on each other: the message of a call that no
     receive took is found when the rank starts its next call, or when it arrives after."""

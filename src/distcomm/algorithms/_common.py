@@ -4,7 +4,11 @@ arithmetic, reusable scratch buffers, the receive pipeline and the ring.
 Arrays are 1-D C-contiguous NumPy arrays; *counts* and *offsets* are in
 elements.  A message is a contiguous slice of the caller's array sent as
 bytes; it is tagged ``collective_tag(seq, step)`` with a step unique among
-the messages one rank sends another within one collective.
+the messages one rank sends another within one collective.  A block moves as a
+*stream*: its segments take steps ``base, base + 1, ...`` with ``base`` fixed by the
+world size alone (:func:`stride`), the last one marked :data:`LAST_STEP`, so that ranks
+that cut a block differently (arrays of different sizes) disagree on a message's size or
+tag bits where the receiver sees it, never only on how many segments follow.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from ..arrays import data_address
 from ..deadline import Deadline
 from ..errors import DistInputError, DistTypeError
-from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
+from ..transport.base import EAGER_STEP, LAST_STEP, Channel, Request, collective_tag, wait_all
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -76,8 +80,8 @@ LOOKAHEAD = 16
 #: Scratch buffers kept per channel (one per collective running at once).
 _POOL_MAX = 4
 _ALIGN = 64
-#: Steps an algorithm may number (the eager bit above them).
-_STEPS = EAGER_STEP - 1
+#: Steps an algorithm may number (the last and eager bits above them).
+_STEPS = LAST_STEP - 1
 
 # Receive modes of a pipeline item.
 DIRECT = 0  # receive straight into dst
@@ -135,14 +139,21 @@ def offsets(counts: Sequence[int]) -> list[int]:
     return out
 
 
+def stride(phases: int) -> int:
+    """Steps set aside for each of ``phases`` streams in a row: phase k numbers its
+    segments from ``k * stride(phases)``.  It depends on the world, not on the array, so
+    ranks that cut a block differently still number its segments alike."""
+    return (_STEPS - 64) // max(1, phases)
+
+
 def seg_elems(itemsize: int, longest: int, phases: int) -> int:
     """Elements per segment: the ``longest``-element block cut in about
     SEGMENTS_PER_BLOCK pieces of SEGMENT_BYTES to MAX_SEGMENT_BYTES, larger if
-    ``phases`` steps of such blocks would otherwise run out of tag steps."""
+    there would be more than :func:`stride` of them."""
     itemsize = max(1, itemsize)
     nbytes = min(MAX_SEGMENT_BYTES, max(SEGMENT_BYTES, longest * itemsize // SEGMENTS_PER_BLOCK))
     seg = max(1, nbytes // itemsize)
-    budget = (_STEPS - 64) // max(1, phases)
+    budget = stride(phases)
     if -(-longest // seg) > budget:
         seg = -(-longest // budget)
     return seg
@@ -157,6 +168,12 @@ def eager(step: int, index: int, count: int) -> int:
     """``step``, marked eager if it is message ``index`` (from 0) of a stream whose
     first ``count`` messages are eager."""
     return step | EAGER_STEP if index < count else step
+
+
+def final(step: int, index: int, count: int) -> int:
+    """``step``, marked :data:`LAST_STEP` if it is message ``index`` of ``count``, the
+    last of its stream."""
+    return step | LAST_STEP if index == count - 1 else step
 
 
 def nsegs(count: int, seg: int) -> int:
@@ -191,10 +208,11 @@ def send_all(
     ch: Channel, peer: int, seq: int, base: int, arr: np.ndarray, parts: list[tuple[int, int]],
     eager_first: int = 0,
 ) -> list[Request]:
-    """isend ``arr[a:b]`` for each part, tagged with steps ``base``, ``base + 1``, ...;
-    the first ``eager_first`` of them marked eager."""
+    """isend ``arr[a:b]`` for each part, a stream tagged with steps ``base``, ``base + 1``,
+    ...; the first ``eager_first`` of them marked eager, the last :data:`LAST_STEP`."""
+    n = len(parts)
     return [
-        ch.isend(peer, collective_tag(seq, eager(base + j, j, eager_first)), as_bytes(arr[a:b]))
+        ch.isend(peer, collective_tag(seq, final(eager(base + j, j, eager_first), j, n)), as_bytes(arr[a:b]))
         for j, (a, b) in enumerate(parts)
     ]
 
@@ -354,55 +372,59 @@ def ring_pass(
     """
     n, r = ch.size, ch.rank
     off = offsets(counts)
+    st = stride(2 * n)
     seg = seg_elems(arr.itemsize, max(counts), 2 * n)
     nseg = max(nsegs(c, seg) for c in counts)
     ecount = eager_count(seg, arr.itemsize)
     right, left = (r + 1) % n, (r - 1) % n
     if nseg == 1 and k0 < k1:
-        _ring_whole(ch, arr, off, seq, deadline, k0, k1, ecount, combine, scratch)
-        return 2 * n - 2
+        _ring_whole(ch, arr, off, seq, deadline, k0, k1, ecount, combine, scratch, st)
+        return (2 * n - 2) * st
     sends: list[Request] = []
     if k0 < k1:
         b = (r - k0 - 1) % n
         parts = split(off[b], off[b + 1], seg)
-        sends = send_all(ch, right, seq, k0 * nseg, arr, parts, ecount)
+        sends = send_all(ch, right, seq, k0 * st, arr, parts, ecount)
     items: list[Item] = []
     for k in range(k0, k1):
         b = (r - k - 2) % n
         mode = REDUCE if k < n - 1 else DIRECT
-        for j, (a, e) in enumerate(split(off[b], off[b + 1], seg)):
-            step = eager(k * nseg + j, (k - k0) * nseg + j, ecount)
-            fwd = ((right, eager((k + 1) * nseg + j, (k + 1 - k0) * nseg + j, ecount)),) if k + 1 < k1 else ()
+        parts = split(off[b], off[b + 1], seg)
+        for j, (a, e) in enumerate(parts):
+            step = final(eager(k * st + j, (k - k0) * nseg + j, ecount), j, len(parts))
+            fwd = ((right, final(eager((k + 1) * st + j, (k + 1 - k0) * nseg + j, ecount), j, len(parts))),
+                   ) if k + 1 < k1 else ()
             items.append((left, step, arr[a:e], mode, None, fwd))
     # An allgather step overwrites a block this rank sent during the
     # reduce-scatter; the final value can only arrive after that send was
     # received (it went round the whole ring), so no extra wait is needed.
     drive(ch, seq, items, deadline, sends, combine, scratch)
     wait_all(sends, deadline)
-    return (2 * n - 2) * nseg
+    return (2 * n - 2) * st
 
 
 def _ring_whole(
     ch: Channel, arr: np.ndarray, off: list[int], seq: int, deadline: Deadline, k0: int, k1: int,
-    ecount: int, combine: Combine | None, scratch: Scratch | None,
+    ecount: int, combine: Combine | None, scratch: Scratch | None, st: int,
 ) -> None:
-    """:func:`ring_pass` when every block is one message: the receive of step
-    k+1 is posted before step k is awaited; two scratch slots take turns."""
+    """:func:`ring_pass` when every block is one message (step ``k * st``, the last of its
+    stream): the receive of step k+1 is posted before step k is awaited; two scratch slots
+    take turns."""
     n, r = ch.size, ch.rank
     right, left = (r + 1) % n, (r - 1) % n
     isz = arr.itemsize
     slots: tuple[np.ndarray, ...] = ()
     if k0 < n - 1:
-        stride = -(-max(off[b + 1] - off[b] for b in range(n)) * isz // _ALIGN) * _ALIGN
-        buf = scratch.take(2 * stride)  # type: ignore[union-attr]
-        slots = (buf[:stride], buf[stride:])
+        width = -(-max(off[b + 1] - off[b] for b in range(n)) * isz // _ALIGN) * _ALIGN
+        buf = scratch.take(2 * width)  # type: ignore[union-attr]
+        slots = (buf[:width], buf[width:])
 
     def post(k: int):
         b = (r - k - 2) % n
         if off[b + 1] == off[b]:
             return None
         dst = arr[off[b] : off[b + 1]]
-        tag = collective_tag(seq, eager(k, k - k0, ecount))
+        tag = collective_tag(seq, eager(k * st, k - k0, ecount) | LAST_STEP)
         if k < n - 1:
             tmp = slots[k & 1][: dst.nbytes]
             return ch.irecv(left, tag, memoryview(tmp)), dst, tmp
@@ -411,7 +433,8 @@ def _ring_whole(
     sends: list[Request] = []
     b = (r - k0 - 1) % n
     if off[b + 1] > off[b]:
-        sends.append(ch.isend(right, collective_tag(seq, eager(k0, 0, ecount)), as_bytes(arr[off[b] : off[b + 1]])))
+        tag = collective_tag(seq, eager(k0 * st, 0, ecount) | LAST_STEP)
+        sends.append(ch.isend(right, tag, as_bytes(arr[off[b] : off[b + 1]])))
     nxt = post(k0)
     for k in range(k0, k1):
         cur = nxt
@@ -423,6 +446,7 @@ def _ring_whole(
         if tmp is not None:
             combine(dst, tmp.view(dst.dtype))  # type: ignore[misc]
         if k + 1 < k1:
-            sends.append(ch.isend(right, collective_tag(seq, eager(k + 1, k + 1 - k0, ecount)), as_bytes(dst)))
+            tag = collective_tag(seq, eager((k + 1) * st, k + 1 - k0, ecount) | LAST_STEP)
+            sends.append(ch.isend(right, tag, as_bytes(dst)))
     for s in sends:
         s.wait(deadline)

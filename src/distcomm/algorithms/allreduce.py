@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..deadline import Deadline
-from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
+from ..transport.base import EAGER_STEP, LAST_STEP, Channel, Request, collective_tag, wait_all
 from ._common import (
     EAGER_WINDOW,
     REDUCE,
@@ -23,13 +23,14 @@ from ._common import (
     eager,
     eager_count,
     even_counts,
-    nsegs,
+    final,
     offsets,
     ring_pass,
     scratch_for,
     seg_elems,
     send_all,
     split,
+    stride,
 )
 from .broadcast import binomial_broadcast
 from .reduce import binomial_reduce
@@ -89,7 +90,8 @@ def _fold_in(ch: Channel, arr, combine, seq, deadline, scratch, parts, ecount) -
         wait_all(send_all(ch, r + 1, seq, 0, arr, parts, ecount), deadline)
         return p, rem, -1
     items: list[Item] = [
-        (r - 1, eager(j, j, ecount), arr[a:e], REDUCE, None, ()) for j, (a, e) in enumerate(parts)
+        (r - 1, final(eager(j, j, ecount), j, len(parts)), arr[a:e], REDUCE, None, ())
+        for j, (a, e) in enumerate(parts)
     ]
     drive(ch, seq, items, deadline, [], combine, scratch)
     return p, rem, r // 2
@@ -119,41 +121,44 @@ def rd_allreduce(
     ranks of a non-power-of-two world are folded in and out.  For small messages."""
     p = 1 << (ch.size.bit_length() - 1)
     levels = p.bit_length() - 1
+    st = stride(levels + 2)
     seg = seg_elems(arr.itemsize, arr.size, levels + 2)
     parts = split(0, arr.size, seg)
     nseg = len(parts)
     ecount = eager_count(seg, arr.itemsize)
     if nseg == 1:
-        _rd_whole(ch, arr, combine, seq, deadline, scratch, levels)
+        _rd_whole(ch, arr, combine, seq, deadline, scratch, levels, st)
         return
     p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts, ecount)
     if v >= 0:
         for s in range(levels):
             pv = v ^ (1 << s)
-            peer, base = _real(pv, rem), (1 + s) * nseg
+            peer, base = _real(pv, rem), (1 + s) * st
             first = ecount if s == 0 else 0  # (later levels: the peer may not be there yet)
             mine = send_all(ch, peer, seq, base, arr, parts, first)
             mode = REDUCE if v < pv else REDUCE_LEFT
             items: list[Item] = [
-                (peer, eager(base + j, j, first), arr[a:e], mode, mine[j], ())
+                (peer, final(eager(base + j, j, first), j, nseg), arr[a:e], mode, mine[j], ())
                 for j, (a, e) in enumerate(parts)
             ]
             drive(ch, seq, items, deadline, [], combine, scratch)
             wait_all(mine, deadline)
-    _fold_out(ch, arr, seq, deadline, rem, (1 + levels) * nseg)
+    _fold_out(ch, arr, seq, deadline, rem, (1 + levels) * st)
 
 
 def _rd_whole(
-    ch: Channel, arr, combine: Combine, seq: int, deadline: Deadline, scratch: Scratch, levels: int
+    ch: Channel, arr, combine: Combine, seq: int, deadline: Deadline, scratch: Scratch, levels: int,
+    st: int,
 ) -> None:
-    """:func:`rd_allreduce` when the array is one message (the same steps, fewer moves)."""
+    """:func:`rd_allreduce` when the array is one message, a stream's last (the same steps,
+    fewer moves)."""
     n, r = ch.size, ch.rank
     rem = n - (1 << levels)
     mine = memoryview(arr.view(np.uint8))
     tmp = scratch.take(arr.nbytes)
     theirs = tmp.view(arr.dtype)
     if r < 2 * rem:  # fold in
-        tag = collective_tag(seq, EAGER_STEP)
+        tag = collective_tag(seq, EAGER_STEP | LAST_STEP)
         if r % 2 == 0:
             ch.isend(r + 1, tag, mine).wait(deadline)
             v = -1
@@ -166,7 +171,8 @@ def _rd_whole(
     if v >= 0:
         for s in range(levels):
             pv = v ^ (1 << s)
-            peer, tag = _real(pv, rem), collective_tag(seq, (1 + s) | (EAGER_STEP if s == 0 else 0))
+            step = (1 + s) * st | LAST_STEP | (EAGER_STEP if s == 0 else 0)
+            peer, tag = _real(pv, rem), collective_tag(seq, step)
             sent = ch.isend(peer, tag, mine)
             ch.irecv(peer, tag, memoryview(tmp)).wait(deadline)
             sent.wait(deadline)  # (it reads arr, about to change)
@@ -175,7 +181,7 @@ def _rd_whole(
             else:
                 combine(theirs, arr)
                 np.copyto(arr, theirs)
-    _fold_out(ch, arr, seq, deadline, rem, 1 + levels)
+    _fold_out(ch, arr, seq, deadline, rem, (1 + levels) * st)
 
 
 def hd_allreduce(
@@ -187,9 +193,9 @@ def hd_allreduce(
     owner.  Extra ranks of a non-power-of-two world are folded in and out."""
     p = 1 << (ch.size.bit_length() - 1)
     levels = p.bit_length() - 1
+    st = stride(2 * levels + 2)
     seg = seg_elems(arr.itemsize, arr.size, 2 * levels + 2)
     parts = split(0, arr.size, seg)
-    nseg = nsegs(arr.size, seg)
     ecount = eager_count(seg, arr.itemsize)
     p, rem, v = _fold_in(ch, arr, combine, seq, deadline, scratch, parts, ecount)
     if v >= 0:
@@ -199,14 +205,15 @@ def hd_allreduce(
         d = p >> 1
         while d:  # reduce-scatter: keep one half, send the other
             pv = v ^ d
-            peer, base = _real(pv, rem), (1 + s) * nseg
+            peer, base = _real(pv, rem), (1 + s) * st
             mid = lo + d
             keep, give = ((mid, hi), (lo, mid)) if v & d else ((lo, mid), (mid, hi))
             first = ecount if s == 0 else 0  # (later levels: the peer may not be there yet)
             given[d] = send_all(ch, peer, seq, base, arr, split(off[give[0]], off[give[1]], seg), first)
+            kept = split(off[keep[0]], off[keep[1]], seg)
             items: list[Item] = [
-                (peer, eager(base + j, j, first), arr[a:e], REDUCE, None, ())
-                for j, (a, e) in enumerate(split(off[keep[0]], off[keep[1]], seg))
+                (peer, final(eager(base + j, j, first), j, len(kept)), arr[a:e], REDUCE, None, ())
+                for j, (a, e) in enumerate(kept)
             ]
             drive(ch, seq, items, deadline, [], combine, scratch)
             lo, hi = keep
@@ -217,7 +224,7 @@ def hd_allreduce(
         while d < p:  # allgather: swap owned ranges, straight into place
             pv = v ^ d
             other = (lo - d, lo) if v & d else (hi, hi + d)
-            peer, tag = _real(pv, rem), collective_tag(seq, (1 + s) * nseg)
+            peer, tag = _real(pv, rem), collective_tag(seq, (1 + s) * st)
             wait_all(given.pop(d), deadline)  # the range about to be overwritten was sent from
             if off[hi] > off[lo]:
                 sends.append(ch.isend(peer, tag, as_bytes(arr[off[lo] : off[hi]])))
@@ -227,7 +234,7 @@ def hd_allreduce(
             d <<= 1
             s += 1
         wait_all(sends, deadline)
-    _fold_out(ch, arr, seq, deadline, rem, (1 + 2 * levels) * nseg)
+    _fold_out(ch, arr, seq, deadline, rem, (1 + 2 * levels) * st)
 
 
 def tree_allreduce(
@@ -236,8 +243,7 @@ def tree_allreduce(
     """Binomial reduce to rank 0 then binomial broadcast, both pipelined by
     segment: 2(n-1) messages in all, the fewest of any algorithm, in 2 log2 n rounds."""
     binomial_reduce(ch, arr, combine, 0, seq, deadline, scratch)
-    nseg = nsegs(arr.size, seg_elems(arr.itemsize, arr.size, 2))
-    binomial_broadcast(ch, arr, 0, seq, deadline, base=nseg)
+    binomial_broadcast(ch, arr, 0, seq, deadline, base=stride(2))
 
 
 _ALGORITHMS = {

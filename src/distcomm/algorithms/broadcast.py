@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..deadline import Deadline
-from ..transport.base import EAGER_STEP, Channel, Request, collective_tag, wait_all
+from ..transport.base import EAGER_STEP, LAST_STEP, Channel, Request, collective_tag, wait_all
 from ._common import (
     DIRECT,
     EAGER_WINDOW,
@@ -14,6 +14,7 @@ from ._common import (
     drive,
     eager,
     eager_count,
+    final,
     seg_elems,
     send_all,
     split,
@@ -78,7 +79,7 @@ def binomial_broadcast(
     parts = split(0, arr.size, seg)
     ecount = eager_count(seg, arr.itemsize)
     if len(parts) == 1 or ch.size == 2:  # one message (nobody forwards: nothing to pipeline)
-        tag = collective_tag(seq, base | EAGER_STEP if arr.nbytes <= EAGER_WINDOW else base)
+        tag = collective_tag(seq, (base | EAGER_STEP if arr.nbytes <= EAGER_WINDOW else base) | LAST_STEP)
         view = as_bytes(arr)
         if parent is not None:
             ch.irecv(parent, tag, view).wait(deadline)
@@ -87,12 +88,12 @@ def binomial_broadcast(
     sends: list[Request] = []
     if parent is None:
         for j, (a, e) in enumerate(parts):
-            for child in children:
-                sends.extend(send_all(ch, child, seq, base + j, arr, [(a, e)], ecount - j))
+            tag = collective_tag(seq, final(eager(base + j, j, ecount), j, len(parts)))
+            sends.extend(ch.isend(child, tag, as_bytes(arr[a:e])) for child in children)
     else:
         items: list[Item] = []
         for j, (a, e) in enumerate(parts):
-            step = eager(base + j, j, ecount)
+            step = final(eager(base + j, j, ecount), j, len(parts))
             items.append((parent, step, arr[a:e], DIRECT, None, tuple((c, step) for c in children)))
         drive(ch, seq, items, deadline, sends)
     wait_all(sends, deadline)
@@ -113,7 +114,7 @@ def chain_broadcast(ch: Channel, arr, root: int, seq: int, deadline: Deadline) -
     else:
         items: list[Item] = []
         for j, (a, e) in enumerate(parts):
-            step = eager(j, j, ecount)
+            step = final(eager(j, j, ecount), j, len(parts))
             items.append(((r - 1) % n, step, arr[a:e], DIRECT, None, ((nxt, step),) if nxt is not None else ()))
         drive(ch, seq, items, deadline, sends)
     wait_all(sends, deadline)

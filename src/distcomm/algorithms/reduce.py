@@ -21,6 +21,7 @@ from ._common import (
     eager,
     eager_count,
     even_counts,
+    final,
     offsets,
     ring_pass,
     scratch_for,
@@ -87,7 +88,7 @@ def binomial_reduce(
     else:
         items: list[Item] = []
         for j, (a, e) in enumerate(parts):
-            step = eager(base + j, j, ecount)
+            step = final(eager(base + j, j, ecount), j, len(parts))
             for i, child in enumerate(children):
                 last = i == len(children) - 1
                 fwd = ((parent, step),) if last and parent is not None else ()

@@ -23,6 +23,7 @@ from ._common import (
     drive,
     eager,
     eager_count,
+    final,
     offsets,
     ring_pass,
     same_memory,
@@ -143,8 +144,9 @@ def direct_reduce_scatter(
         dst = (r + k) % n
         sends += send_all(ch, dst, seq, 0, inp, pieces(off[dst], off[dst + 1], inp.itemsize), first)
     items: list[Item] = []
-    for j, (a, e) in enumerate(pieces(0, counts[r], inp.itemsize)):
+    mine = pieces(0, counts[r], inp.itemsize)
+    for j, (a, e) in enumerate(mine):
         for k in range(1, n):
-            items.append(((r - k) % n, eager(j, j, first), out[a:e], REDUCE, None, ()))
+            items.append(((r - k) % n, final(eager(j, j, first), j, len(mine)), out[a:e], REDUCE, None, ()))
     drive(ch, seq, items, deadline, sends, combine, scratch)
     wait_all(sends, deadline)

@@ -129,3 +129,21 @@ def reduce_scatter_algorithm(total_bytes: int, world_size: int) -> str:
     if total_bytes <= REDUCE_SCATTER_RD_MAX_BYTES and world_size >= REDUCE_SCATTER_RD_MIN_WORLD:
         return "rd"
     return "direct" if world_size <= REDUCE_SCATTER_DIRECT_MAX_WORLD else "ring"
+
+
+_CHOOSERS = {
+    "allreduce": allreduce_algorithm,
+    "broadcast": broadcast_algorithm,
+    "reduce": reduce_algorithm,
+    "allgather": allgather_algorithm,
+    "reduce_scatter": reduce_scatter_algorithm,
+}
+
+
+def choose(collective: str, nbytes: int, world_size: int) -> tuple[str, int]:
+    """The algorithm of ``collective`` for ``nbytes`` (all blocks, for allgather and
+    reduce_scatter) on ``world_size`` ranks, and its number (its place in
+    :data:`ALGORITHMS`), which the call's messages carry: ranks whose arrays differ in size
+    enough to choose differently find out from the first message of the other algorithm."""
+    name = _CHOOSERS[collective](nbytes, world_size)
+    return name, ALGORITHMS[collective].index(name)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms as algo
+from ..algorithms.select import choose
 from ..arrays import ArrayRef, as_array, data_address, native_dtype_name
 from ..deadline import Deadline
 from ..debug import recorder as _rec
@@ -69,11 +70,12 @@ class ChannelAlgorithms:
         self._staging = staging
         self._scratch = algo.Scratch()  # one collective runs at a time
 
-    def start_call(self, seq: int, code: int, root: int | None = None, mark: int = 0) -> int:
-        """``seq`` coded for collective ``code`` (and its root); the channel is told the call
-        starts (it raises if a message of an earlier call was never taken: see
-        :meth:`~distcomm.transport.base.Channel.begin_call`)."""
-        coded = coded_seq(seq, code, root, mark)
+    def start_call(self, seq: int, code: int, root: int | None = None, mark: int = 0,
+                   variant: int = 0) -> int:
+        """``seq`` coded for collective ``code`` (its root or reduction, and the algorithm
+        chosen); the channel is told the call starts (it raises if a message of an earlier
+        call was never taken: see :meth:`~distcomm.transport.base.Channel.begin_call`)."""
+        coded = coded_seq(seq, code, root, mark, variant)
         self.channel.begin_call(coded)
         return coded
 
@@ -81,18 +83,24 @@ class ChannelAlgorithms:
         algo.barrier(self.channel, self.start_call(seq, _BARRIER), deadline)
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
-        algo.broadcast(self.channel, arr, root, self.start_call(seq, _BROADCAST, root), deadline)
+        name, variant = choose("broadcast", arr.nbytes, self.channel.size)
+        algo.broadcast(self.channel, arr, root, self.start_call(seq, _BROADCAST, root, variant=variant), deadline,
+                       algo=name)
 
     def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
-        algo.allreduce(self.channel, arr, combine, self.start_call(seq, _ALLREDUCE, mark=mark_of(combine)), deadline,
-                       scratch=self._scratch)
+        name, variant = choose("allreduce", arr.nbytes, self.channel.size)
+        seq = self.start_call(seq, _ALLREDUCE, mark=mark_of(combine), variant=variant)
+        algo.allreduce(self.channel, arr, combine, seq, deadline, algo=name, scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        algo.reduce(self.channel, arr, combine, root, self.start_call(seq, _REDUCE, root, mark_of(combine)), deadline,
-                    scratch=self._scratch)
+        name, variant = choose("reduce", arr.nbytes, self.channel.size)
+        seq = self.start_call(seq, _REDUCE, root, mark_of(combine), variant)
+        algo.reduce(self.channel, arr, combine, root, seq, deadline, algo=name, scratch=self._scratch)
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
-        algo.allgather(self.channel, out, self.start_call(seq, _ALLGATHER), deadline, scratch=self._scratch)
+        name, variant = choose("allgather", out.nbytes, self.channel.size)
+        algo.allgather(self.channel, out, self.start_call(seq, _ALLGATHER, variant=variant), deadline, algo=name,
+                       scratch=self._scratch)
 
     def gather(self, send: np.ndarray, out: np.ndarray | None, root: int, seq: int,
                deadline: Deadline) -> None:
@@ -106,15 +114,16 @@ class ChannelAlgorithms:
                        deadline: Deadline) -> None:
         """``out`` = this rank's block of the reduction; ``inp`` stays intact
         unless it is the group's own reduce_scatter staging buffer."""
-        seq = self.start_call(seq, _REDUCE_SCATTER, mark=mark_of(combine))
-        if algo.select.reduce_scatter_algorithm(inp.nbytes, self.channel.size) == "direct":
+        name, variant = choose("reduce_scatter", inp.nbytes, self.channel.size)
+        seq = self.start_call(seq, _REDUCE_SCATTER, mark=mark_of(combine), variant=variant)
+        if name == "direct":
             # reads inp as it is: no staging copy
             algo.direct_reduce_scatter(self.channel, inp, out, combine, seq, deadline, scratch=self._scratch)
             return
         buf = self._staging.take("reduce_scatter", inp.dtype, inp.size)
         if not _same(buf, inp):
             copy_into(buf, inp)  # the algorithm works in place
-        out[:] = algo.reduce_scatter(self.channel, buf, combine, seq, deadline, scratch=self._scratch)
+        out[:] = algo.reduce_scatter(self.channel, buf, combine, seq, deadline, algo=name, scratch=self._scratch)
 
     def alltoall(self, send: np.ndarray, recv: np.ndarray, seq: int, deadline: Deadline, *,
                  send_counts: Sequence[int], recv_counts: Sequence[int]) -> None:

@@ -30,7 +30,7 @@ from ..errors import DistBackendError, DistInputError, DistTypeError
 
 __all__ = [
     "Channel", "Request", "collective_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
-    "EAGER_STEP", "is_eager", "orphaned_error", "COLLECTIVE_CODES", "COLLECTIVE_NAMES", "coded_seq",
+    "EAGER_STEP", "LAST_STEP", "is_eager", "cut_text", "orphaned_error", "COLLECTIVE_CODES", "COLLECTIVE_NAMES", "coded_seq",
     "tag_code", "clashes", "clash_text", "tag_clash_text", "call_of", "CALL_MASK", "CALL_SPACE_MASK",
     "against", "EARLIER", "CLASHING", "call_text", "stale_text", "call_clash_text", "root_mark", "REDUCTIONS",
 ]
@@ -44,6 +44,12 @@ MAX_P2P_TAG = (1 << 62) - 1
 #: ready-to-receive handshake.  Plain steps stay below it.
 EAGER_STEP = 1 << (_SEQ_SHIFT - 1)
 _EAGER_MASK = _COLLECTIVE | EAGER_STEP
+#: Step bit of the final message of a stream (a block sent in segments, or whole).  Ranks
+#: that cut a block differently (they passed arrays of different sizes) then disagree on
+#: some message's size or on this bit (or on :data:`EAGER_STEP`), and the receiver finds out
+#: (:func:`cut_text`) instead of one side returning while the other waits.  Plain steps stay
+#: below it.
+LAST_STEP = 1 << (_SEQ_SHIFT - 2)
 
 
 #: The collectives' codes.  Over a channel, a collective's sequence number carries its code
@@ -53,22 +59,25 @@ _EAGER_MASK = _COLLECTIVE | EAGER_STEP
 COLLECTIVE_CODES = {"all_reduce": 1, "broadcast": 2, "reduce": 3, "all_gather": 4, "gather": 5,
                     "scatter": 6, "reduce_scatter": 7, "all_to_all": 8, "barrier": 9}
 COLLECTIVE_NAMES = {code: name for name, code in COLLECTIVE_CODES.items()}
-#: A coded sequence number: bits 0-23 the call's number (modulo 2**24: the calls in flight
-#: at once are few), 24-31 its root (1 + root % 255; 0: none), 32-35 its code; the bits
-#: above are the debug checks' own sequence spaces, kept as they are.
-_ROOT_SHIFT, _CODE_SHIFT = 24, 32
-_CALL_FIELDS = 0xFFF << _ROOT_SHIFT
+#: A coded sequence number: bits 0-21 the call's number (modulo 2**22: the calls in flight
+#: at once are few), 22-23 the algorithm the rank chose for its array's size (ranks whose
+#: arrays differ in size may choose differently), 24-31 its root (1 + root % 255; 0: none),
+#: 32-35 its code; the bits above are the debug checks' own sequence spaces, kept as they are.
+_VARIANT_SHIFT, _ROOT_SHIFT, _CODE_SHIFT = 22, 24, 32
+_VARIANT_FIELD = 0x3 << _VARIANT_SHIFT
+_CALL_FIELDS = 0xFFF << _ROOT_SHIFT | _VARIANT_FIELD
 #: The bits of a collective's tag that name its call (flag and number; not code, root, step).
 _CALL_MASK = (_COLLECTIVE | ((1 << 38) - 1) << _SEQ_SHIFT) & ~(_CALL_FIELDS << _SEQ_SHIFT)
 
 
-def coded_seq(seq: int, code: int, root: int | None = None, mark: int = 0) -> int:
+def coded_seq(seq: int, code: int, root: int | None = None, mark: int = 0, variant: int = 0) -> int:
     """``seq`` carrying the code of the collective it numbers and its root (for
     :func:`collective_tag`); or, for the unrooted reductions (:data:`REDUCTIONS`), the
     reduction's ``mark`` (op and dtype: :func:`distcomm.reduce_op.reduction_mark`); or, for
-    ``reduce``, both in one (:func:`_rooted_reduction`)."""
+    ``reduce``, both in one (:func:`_rooted_reduction`).  ``variant`` (0-3) numbers the
+    algorithm chosen for the call (among those of the collective)."""
     field = _rooted_reduction(root, mark) if code == _REDUCE and root is not None else mark or root_mark(root)
-    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | field << _ROOT_SHIFT
+    return seq & ~_CALL_FIELDS | code << _CODE_SHIFT | field << _ROOT_SHIFT | variant << _VARIANT_SHIFT
 
 
 #: The collectives whose calls carry their reduction's mark where the others carry a root.
@@ -95,11 +104,19 @@ def _tag_root(tag: int) -> int:
 
 def clashes(tag: int, other: int) -> bool:
     """Whether two coded collective tags belong to the same call of different collectives,
-    or of one collective with different roots (one rank's message met another rank's
-    receive: their calls differ)."""
-    a, b = tag_code(tag), tag_code(other)
-    return a != 0 and b != 0 and tag & _CALL_MASK == other & _CALL_MASK and (
-        a != b or _tag_root(tag) != _tag_root(other))
+    of one collective with different roots, or with different algorithms (one rank's message
+    met another rank's receive: their calls or their arrays' sizes differ)."""
+    return bool(tag_code(tag) and tag_code(other) and tag & _CALL_MASK == other & _CALL_MASK
+                and (tag ^ other) & _KIND_MASK)
+
+
+def cut_text(who: str, theirs: int) -> str:
+    """The error of a message ``who`` sent (tag ``theirs``) whose step this rank expects
+    with another :data:`EAGER_STEP` or :data:`LAST_STEP` bit: the two cut the block in
+    different pieces."""
+    step = theirs & MAX_STEP & ~(EAGER_STEP | LAST_STEP)
+    return (f"{who} cut its data of {call_text(theirs)} in other pieces than this rank "
+            f"(step {step}): the ranks passed arrays of different sizes")
 
 
 def clash_text(who: str, theirs: int, mine: int) -> str:
@@ -110,8 +127,11 @@ def clash_text(who: str, theirs: int, mine: int) -> str:
 
 
 def tag_clash_text(who: str, theirs: int, mine: int) -> str:
-    """:func:`clash_text` for two tags that :func:`clashes` (another collective, or the same
-    one with another root)."""
+    """:func:`clash_text` for two tags that :func:`clashes` (another collective, the same
+    one with another root, or another algorithm)."""
+    if (theirs ^ mine) & _KIND_MASK == (theirs ^ mine) & _VARIANT_FIELD << _SEQ_SHIFT:
+        return (f"{who} chose another algorithm for its {call_text(theirs)} than this rank for its "
+                "own: the ranks passed arrays of different sizes")
     if tag_code(theirs) == tag_code(mine) == _REDUCE:  # root and reduction in one mark
         return (f"{who} called reduce with another root or reduction (op, dtype) than this rank: "
                 "the ranks' calls differ")
@@ -150,9 +170,9 @@ def call_of(tag: int) -> int:
 #: numbered in order within one space.
 CALL_MASK = _CALL_MASK
 CALL_SPACE_MASK = _CALL_MASK & ~(MAX_STEP << _SEQ_SHIFT)
-_NUMBER_MASK = MAX_STEP << _SEQ_SHIFT  # a call's number (modulo 2**24) in a tag
-_HALF_NUMBERS = 1 << (_SEQ_SHIFT - 1) << _SEQ_SHIFT
-_KIND_MASK = _CALL_FIELDS << _SEQ_SHIFT  # a call's code and root in a tag
+_NUMBER_MASK = ((1 << _VARIANT_SHIFT) - 1) << _SEQ_SHIFT  # a call's number (modulo 2**22) in a tag
+_HALF_NUMBERS = 1 << (_VARIANT_SHIFT - 1) << _SEQ_SHIFT
+_KIND_MASK = _CALL_FIELDS << _SEQ_SHIFT  # a call's code, root and algorithm in a tag
 #: What :func:`against` finds.
 EARLIER, CLASHING = 1, 2
 
@@ -160,8 +180,8 @@ EARLIER, CLASHING = 1, 2
 def against(tag: int, now: int) -> int:
     """How coded collective tag ``tag`` (a message's) relates to ``now`` (the call this rank
     is in): :data:`EARLIER` for an earlier call of the same space (numbers compared modulo
-    2**24, up to half of it back), :data:`CLASHING` for the same call of another collective
-    or root, 0 otherwise (a later call, another space, or the same call alike)."""
+    2**22, up to half of it back), :data:`CLASHING` for the same call of another collective,
+    root or algorithm, 0 otherwise (a later call, another space, or the same call alike)."""
     if (tag ^ now) & CALL_SPACE_MASK:
         return 0
     back = ((now & _NUMBER_MASK) - (tag & _NUMBER_MASK)) & _NUMBER_MASK

@@ -34,12 +34,15 @@ from .base import (
     CALL_MASK,
     CALL_SPACE_MASK,
     CLASHING,
+    EAGER_STEP,
     EARLIER,
+    LAST_STEP,
     Request,
     against,
     call_of,
     call_text,
     clashes,
+    cut_text,
     is_eager,
     stale_text,
     tag_clash_text,
@@ -319,6 +322,7 @@ class Matcher:
         self.early_bytes += len(data)
         if tag_code(tag):
             self.clash_with(peer, group, tag)
+            self.cut_with(peer, group, tag)
             self._hold(peer, group, tag)
 
     # -- ranks whose calls differ ---------------------------------------------------------
@@ -350,13 +354,18 @@ class Matcher:
 
     def waiting_clash(self, req: RecvRequest) -> BaseException | None:
         """The error for ``req`` if a message its source sent for the same call of another
-        collective is already here (kept early, or announced by an RTS)."""
+        collective (root, algorithm), or for its step cut differently (:meth:`cut_with`), is
+        already here (kept early, or announced by an RTS)."""
         for held in (self.early, self.rts):
             for (group, tag), queue in held.items():
                 if group == req.group and clashes(tag, req.tag):
                     for item in queue:
                         if req.accepts(item[0]):
                             return _clash_error(item[0], tag, req.tag, req.members)
+            for bits in _CUTS if held else ():
+                for item in held.get((req.group, req.tag ^ bits), ()):
+                    if req.accepts(item[0]):
+                        return _cut_error(item[0], req.tag ^ bits, req.members)
         return None
 
     def clash_with(self, peer: int, group: int, tag: int) -> None:
@@ -370,6 +379,21 @@ class Matcher:
             if not posts:
                 del self.posts[key]
             req.complete(_clash_error(peer, tag, req.tag, req.members))
+
+    def cut_with(self, peer: int, group: int, tag: int) -> None:
+        """Fail the receive posted for ``peer``'s unmatched message under the same step with
+        another :data:`~.base.EAGER_STEP` or :data:`~.base.LAST_STEP` bit: the two ranks cut
+        the block in different pieces.  (Only for messages: the tag a peer waits for, told by
+        a CALL frame, may legitimately differ so from this rank's receive of the other
+        direction.)"""
+        for bits in _CUTS:
+            key = (group, tag ^ bits)
+            posts = self.posts.get(key)
+            for req in [req for req in posts or () if req.accepts(peer)]:
+                posts.remove(req)  # type: ignore[union-attr]
+                if not posts:
+                    del self.posts[key]
+                req.complete(_cut_error(peer, tag, req.members))
 
     def on_rts(self, peer: int, group: int, tag: int, nbytes: int) -> bool:
         """Note an RTS; return True if an RTR must be sent back now."""
@@ -385,6 +409,7 @@ class Matcher:
         self.rts.setdefault(key, deque()).append((peer, nbytes))
         if tag_code(tag):
             self.clash_with(peer, group, tag)
+            self.cut_with(peer, group, tag)
             self._hold(peer, group, tag)
         return False
 
@@ -610,6 +635,14 @@ def _who(peer: int, members: dict[int, int]) -> str:
 
 def _clash_error(peer: int, tag: int, mine: int, members: dict[int, int]) -> DistBackendError:
     return DistBackendError(tag_clash_text(_who(peer, members), tag, mine), peer=peer)
+
+
+def _cut_error(peer: int, tag: int, members: dict[int, int]) -> DistBackendError:
+    return DistBackendError(cut_text(_who(peer, members), tag), peer=peer)
+
+
+#: The step bits by which two ranks' tags of one message differ when they cut it differently.
+_CUTS = (EAGER_STEP, LAST_STEP, EAGER_STEP | LAST_STEP)
 
 
 def _stale_error(peer: int, tag: int, mine: int, members: dict[int, int]) -> DistBackendError:
