@@ -29,8 +29,10 @@ ALLREDUCE_RD_MAX_BYTES = 32 * KiB
 #: allreduce on 3+ ranks: pipelined binomial reduce + broadcast up to this many bytes ...
 ALLREDUCE_TREE_MAX_BYTES = 2 * MiB
 #: ... then halving-doubling up to this many on a power-of-two world, ring otherwise/above
-#: (folding the extra ranks of other worlds costs two more full messages).
-ALLREDUCE_HD_MAX_BYTES = 16 * MiB
+#: (folding the extra ranks of other worlds costs two more full messages).  4 ranks on 2
+#: cores, alternating runs: hd took 0.87-0.94x ring's time at 32 MiB, 0.81-0.89x at 64 MiB,
+#: 0.91-0.99x at 128 MiB (8 ranks: 0.92-0.94x at 16 MiB, 0.85-1.02x at 64 MiB).
+ALLREDUCE_HD_MAX_BYTES = 128 * MiB
 #: broadcast: pipelined chain from this many bytes (3+ ranks), pipelined binomial tree
 #: below (the tree won at every measured size up to 16 MiB on 2 cores).
 BROADCAST_CHAIN_MIN_BYTES = 64 * MiB

@@ -1316,7 +1316,7 @@ class TcpTransport:
     def _unpark(self, parked: set[_Peer], now_all: bool = False) -> None:
         """Watch again the parked sockets that came due (:meth:`_rearm_after`), or all."""
         now = time.monotonic()
-        wanted = self._wanted() if now_all or any(not q.rlock.locked() for q in parked) else set()
+        wanted = set() if now_all or all(q.rlock.locked() for q in parked) else self._wanted()
         for p in list(parked):
             if p.state != "up":
                 parked.discard(p)
