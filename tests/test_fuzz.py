@@ -23,7 +23,8 @@ from distcomm.store import HashStore, TCPStore, auth
 from distcomm.store import tcp_protocol as p
 from distcomm.testing import fuzz
 from distcomm.transport import tcp_wire as w
-from distcomm.transport.tcp import TcpTransport, _addr_key
+from distcomm.transport.tcp import TcpTransport
+from distcomm.transport.tcp_connect import addr_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,7 +159,7 @@ def test_silent_peers_at_a_transport_listener_block_nobody_and_are_closed():
 def test_a_listener_that_never_answers_fails_the_send_within_the_deadline():
     silent = socket.create_server(("127.0.0.1", 0))
     store = HashStore()
-    store.set(_addr_key(1), f"127.0.0.1:{silent.getsockname()[1]}")
+    store.set(addr_key(1), f"127.0.0.1:{silent.getsockname()[1]}")
     t = TcpTransport(0, 2, store, b"j" * 16, 1.0, "127.0.0.1", auth_token="tok")
     try:
         t0 = time.monotonic()

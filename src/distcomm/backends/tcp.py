@@ -18,7 +18,8 @@ from ..errors import DistBackendError, DistError
 from ..store import Store
 from ..store.exchange import forget_when_passed
 from ..store.tcp_client import TCPStore
-from ..transport.tcp import TcpTransport, address_keys
+from ..transport.tcp import TcpTransport
+from ..transport.tcp_connect import address_keys
 from .channel_group import ChannelProcessGroup
 
 __all__ = ["TcpProcessGroup", "TcpBackend", "open_transport"]

@@ -56,7 +56,8 @@ from ..store.tcp_client import TCPStore
 from ..store.tcp_server import StoreServer
 from ..transport import tcp_wire as w
 from ..transport.matching import EAGER_BYTES
-from ..transport.tcp import EARLY_BUDGET, TcpTransport, _addr_key
+from ..transport.tcp import EARLY_BUDGET, TcpTransport
+from ..transport.tcp_connect import addr_key
 
 __all__ = [
     "FuzzReport",
@@ -813,7 +814,7 @@ class TransportTarget:
         self.used: list[int] = []
         store = HashStore()
         for r in range(self.slots):
-            store.set(_addr_key(r), "127.0.0.1:9")  # posers never listen
+            store.set(addr_key(r), "127.0.0.1:9")  # posers never listen
         made: dict[int, TcpTransport | BaseException] = {}
 
         def make(rank: int) -> None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 import select
 import socket
 import threading
@@ -64,8 +63,18 @@ from .matching import (
     _Done,
     lost_peer_error,
 )
+from .tcp_connect import (
+    addr_key,
+    address_keys,
+    check_hello,
+    connect_retry,
+    job_auth,
+    peer_name,
+    proof_context,
+    send_now,
+)
 
-__all__ = ["TcpTransport", "TcpChannel", "address_keys"]
+__all__ = ["TcpTransport", "TcpChannel"]
 
 log = logging.getLogger("distcomm.transport")
 
@@ -85,12 +94,6 @@ EARLY_POOL_MIN_BYTES = 128 * 1024
 EARLY_POOL_BYTES = 1024 * 1024
 #: Worlds up to this size learn every peer's address at initialisation.
 ADDRESS_PREFETCH_MAX = 1024
-#: A published address that refuses connections this long belongs to a process that left.
-REFUSED_GIVE_UP = 2.0
-#: A published address this host has no route to (ENETUNREACH) this long is the wrong one.
-UNREACHABLE_GIVE_UP = 5.0
-#: A peer whose address gives no answer this long gets a warning (it may be the wrong one).
-SILENT_WARN_AFTER = 10.0
 _HDR = w.HEADER.size
 _EPOLLIN = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
 _POLL_RW = select.POLLIN | select.POLLOUT
@@ -269,7 +272,7 @@ class TcpTransport:
         self.size = size
         self._store = store
         self._token = token
-        self._auth = _job_auth(store, auth_token)
+        self._auth = job_auth(store, auth_token)
         self._refusals = auth.RefusalLog(log, f"rank {rank}'s transport")
         self._timeout = timeout
         self._user_timeout = user_timeout()
@@ -299,7 +302,7 @@ class TcpTransport:
             self._ep = select.epoll()
             self._ep.register(self._listener.fileno(), select.EPOLLIN)
             self._ep.register(self._wake_r.fileno(), select.EPOLLIN)
-            store.set(_addr_key(rank), self.address)
+            store.set(addr_key(rank), self.address)
             self._addrs: dict[int, str] = {}
             if size <= ADDRESS_PREFETCH_MAX:
                 # Learn every address now: later connections must not depend
@@ -691,10 +694,10 @@ class TcpTransport:
         try:
             addr = self._addrs.get(p.rank)
             if addr is None:
-                self._store.wait([_addr_key(p.rank)], deadline.remaining())
-                addr = self._store.get(_addr_key(p.rank)).decode()
+                self._store.wait([addr_key(p.rank)], deadline.remaining())
+                addr = self._store.get(addr_key(p.rank)).decode()
             host, _, port = addr.rpartition(":")
-            sock = _connect_retry(host, int(port), deadline, p.rank)
+            sock = connect_retry(host, int(port), deadline, p.rank)
             try:
                 self._hello(sock, p.rank)
                 sock.setblocking(False)
@@ -713,14 +716,14 @@ class TcpTransport:
         """The connector's side of the handshake with ``rank`` (blocking)."""
         if self._auth is None:
             sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
-            _check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, False)
+            check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, False)
             return
         mine = auth.nonce()
         sock.sendall(w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, self._token, self.rank) + mine)
-        _check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, True)
+        check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, True)
         theirs = recv_exact(sock, auth.NONCE_BYTES)
         their_proof = recv_exact(sock, auth.MAC_BYTES)
-        ctx = _context(self._token, self.rank, rank)
+        ctx = proof_context(self._token, self.rank, rank)
         if not auth.verify(auth.proof(self._auth, w.LISTENER_LABEL, mine, theirs, ctx), their_proof):
             raise auth.DistAuthenticationError(
                 f"rank {rank} could not prove it knows this job's token: its {auth.ENV_VAR} "
@@ -960,7 +963,7 @@ class TcpTransport:
             pass
         if reason is not None:
             self._refusals.warn("rank %d refused a connection from %s: %s",
-                                self.rank, _peer_name(h.sock), reason)
+                                self.rank, peer_name(h.sock), reason)
             h.sock.close()
         return h.sock
 
@@ -1025,7 +1028,7 @@ class TcpTransport:
         None when more bytes are needed; raise to refuse."""
         if h.nonces is not None:  # the connector's proof
             assert self._auth is not None and h.rank is not None
-            ctx = _context(self._token, h.rank, self.rank)
+            ctx = proof_context(self._token, h.rank, self.rank)
             expected = auth.proof(self._auth, w.CONNECTOR_LABEL, h.nonces[1], h.nonces[0], ctx)
             if not auth.verify(expected, bytes(h.buf)):
                 raise auth.DistAuthenticationError(
@@ -1049,21 +1052,21 @@ class TcpTransport:
             return None
         if self._auth is None:
             if offered:
-                _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, w.REFUSED, bytes(16), self.rank))
+                send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, w.REFUSED, bytes(16), self.rank))
                 raise auth.DistAuthenticationError(
                     f"rank {rank} authenticates but this process has no token ({auth.ENV_VAR})"
                 )
-            _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
+            send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
             h.rank = rank
             return True
         if not offered:
-            _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH | w.REFUSED, bytes(16), self.rank))
+            send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH | w.REFUSED, bytes(16), self.rank))
             raise auth.DistAuthenticationError(
                 f"unauthenticated connection refused (rank {rank} has no token)"
             )
         theirs, mine = bytes(h.buf[w.HELLO.size :]), auth.nonce()
-        ctx = _context(self._token, rank, self.rank)
-        _send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, self._token, self.rank)
+        ctx = proof_context(self._token, rank, self.rank)
+        send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, self._token, self.rank)
                   + mine + auth.proof(self._auth, w.LISTENER_LABEL, theirs, mine, ctx))
         h.rank, h.nonces = rank, (theirs, mine)
         h.buf, h.need = bytearray(), auth.MAC_BYTES
@@ -1723,117 +1726,3 @@ def _size_mismatch(req: RecvRequest, nbytes: int) -> DistBackendError:
 def _leave(group: int) -> _Out:
     """The LEAVE frame of ``group`` (this process destroyed it)."""
     return _Out(w.HEADER.pack(w.LEAVE, group, 0, 0), None, None)
-
-
-def _addr_key(rank: int) -> str:
-    return f"tcp/addr/{rank}"
-
-
-def address_keys(size: int) -> list[str]:
-    """The store keys where the transports of a ``size``-rank job publish their addresses."""
-    return [_addr_key(r) for r in range(size)]
-
-
-_ADDRESS_HINT = (
-    f"set {w.IFNAME_VARS[0]} (or {w.IFNAME_VARS[1]}) on that rank's host to the interface the "
-    f"other hosts reach, or {w.HOST_VAR} to its address"
-)
-
-
-def _connect_retry(host: str, port: int, deadline: Deadline, rank: int) -> socket.socket:
-    """Connect to a peer's published address, retrying briefly.
-
-    The address is published only once the peer listens, so a refusal that
-    lasts means the peer's process has left: give up after REFUSED_GIVE_UP
-    seconds rather than at the deadline.
-    """
-    delay = 0.005
-    refused_since: float | None = None
-    unreachable_since: float | None = None
-    start = time.monotonic()
-    warned = False
-    while True:
-        try:
-            return socket.create_connection((host, port), timeout=max(0.1, min(deadline.remaining(), 10)))
-        except OSError as e:
-            now = time.monotonic()
-            if isinstance(e, ConnectionRefusedError):
-                refused_since = refused_since or now
-                if now - refused_since > REFUSED_GIVE_UP:
-                    raise DistNetworkError(
-                        f"rank {rank} no longer listens at {host}:{port} (its process exited or "
-                        "destroyed its process group)",
-                        peer=rank, addr=f"{host}:{port}",
-                    ) from e
-            if e.errno == errno.ENETUNREACH:
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since > UNREACHABLE_GIVE_UP:
-                    raise DistNetworkError(
-                        f"rank {rank} published {host}:{port}, which this host has no route to "
-                        f"({e.strerror}); {_ADDRESS_HINT}", peer=rank, addr=f"{host}:{port}",
-                    ) from e
-            elif not warned and now - start > SILENT_WARN_AFTER and not isinstance(e, ConnectionRefusedError):
-                warned = True
-                log.warning("still no connection to rank %d at %s:%d after %.0f s (%s); if that "
-                            "address is wrong, %s", rank, host, port, now - start, e, _ADDRESS_HINT)
-            if deadline.expired():
-                raise DistNetworkError(
-                    f"no connection to rank {rank} at {host}:{port} within {deadline.seconds:g} s ({e})",
-                    peer=rank,
-                    addr=f"{host}:{port}",
-                ) from e
-            time.sleep(min(deadline.remaining(), delay * (0.5 + random.random())))
-            delay = min(delay * 2, 0.5)
-
-
-def _check_hello(data: bytes, token: bytes, rank: int, authenticating: bool) -> None:
-    """Check the listener's answer to our HELLO (connector side)."""
-    magic, version, flags, their_token, their_rank = w.HELLO.unpack(data)
-    if magic != w.MAGIC:
-        raise DistNetworkError(f"not a distcomm peer (sent {data[:8]!r})")
-    if flags & w.REFUSED:
-        if authenticating:
-            raise auth.DistAuthenticationError(
-                f"rank {rank} has no authentication token but this process has one "
-                f"({auth.ENV_VAR} or auth_token): give every rank the same token", peer=rank,
-            )
-        raise auth.DistAuthenticationError(
-            f"rank {rank} requires authentication: set {auth.ENV_VAR} (or auth_token=) to the "
-            "job's token on every rank", peer=rank,
-        )
-    expected = w.AUTH_VERSION if authenticating else w.VERSION
-    if version != expected:
-        raise DistNetworkError(f"peer speaks transport v{version}, this process v{expected}")
-    if their_token != token:
-        raise DistNetworkError("peer belongs to another job or an earlier initialisation")
-    if their_rank != rank:
-        raise DistNetworkError(f"expected rank {rank}, the peer says it is rank {their_rank}")
-
-
-def _context(token: bytes, connector: int, listener: int) -> bytes:
-    """What a handshake proof is bound to: the job token and both ranks."""
-    return token + connector.to_bytes(4, "big") + listener.to_bytes(4, "big")
-
-
-def _send_now(sock: socket.socket, data: bytes) -> None:
-    """Send a short handshake message on a non-blocking socket, or fail."""
-    if sock.send(data) != len(data):
-        raise DistNetworkError("the peer does not read its handshake")
-
-
-def _peer_name(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "a peer that left"
-
-
-def _job_auth(store: Store, explicit: str | bytes | None) -> bytes | None:
-    """The token connections authenticate with: explicit, else the ambient one, else the store's."""
-    token = auth.resolve_token(explicit)
-    if token is None and explicit is None:
-        while hasattr(store, "underlying_store"):
-            store = store.underlying_store
-        token = getattr(store, "_auth", None)
-    return token
