@@ -341,6 +341,33 @@ def test_an_unauthenticated_hello_is_refused_and_the_job_goes_on(caplog):
         t1.close()
 
 
+@pytest.mark.parametrize("token", [None, TOKEN], ids=["plain", "authenticated"])
+def test_a_hello_of_another_job_is_refused_before_any_answer_and_the_job_goes_on(caplog, token):
+    """A process of another job (or of an earlier initialisation) that reaches this listener
+    gets nothing back: no HELLO, no challenge; the connection is closed and logged."""
+    caplog.set_level(logging.WARNING, logger="distcomm.transport")
+    t0, t1 = _pair(token, token)
+    try:
+        host, _, port = t1.address.rpartition(":")
+        version, flags = (w.VERSION, 0) if token is None else (w.AUTH_VERSION, w.AUTH)
+        got = b""
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(w.HELLO.pack(w.MAGIC, version, flags, b"k" * 16, 0) + auth.nonce() * (token is not None))
+            try:
+                while chunk := sock.recv(4096):
+                    got += chunk
+            except ConnectionResetError:
+                pass
+            except TimeoutError:
+                got += b"(still open after 5 s)"
+        assert got == b"", got
+        assert any("another job" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        _exchange(t0, t1)
+    finally:
+        t0.close()
+        t1.close()
+
+
 def _init_and_reduce(rank: int, n: int, port: int, token: str | None) -> tuple[float, bool]:
     distcomm.init_process_group("tcp", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n, auth_token=token)

@@ -48,7 +48,6 @@ from collections.abc import Mapping
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistError, DistInputError, DistNetworkError
-from ..sockets import recv_exact
 from ..store import auth
 from ..store.base import Store
 from . import tcp_wire as w
@@ -64,14 +63,14 @@ from .matching import (
     lost_peer_error,
 )
 from .tcp_connect import (
+    PendingHello,
     addr_key,
     address_keys,
-    check_hello,
     connect_retry,
+    connector_handshake,
     job_auth,
+    listener_step,
     peer_name,
-    proof_context,
-    send_now,
 )
 
 __all__ = ["TcpTransport", "TcpChannel"]
@@ -172,20 +171,6 @@ def user_timeout() -> float:
 CLOSE_LINGER = 10.0
 #: How long closing waits for peers to close their side of each connection.
 CLOSE_EOF_WAIT = 1.0
-
-
-class _Hello:
-    """An accepted connection still in its handshake."""
-
-    __slots__ = ("sock", "buf", "need", "since", "rank", "nonces")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-        self.need = w.HELLO.size  # bytes the current step needs
-        self.since = time.monotonic()
-        self.rank: int | None = None
-        self.nonces: tuple[bytes, bytes] | None = None  # (connector's, ours) once challenged
 
 
 class _Out:
@@ -699,7 +684,7 @@ class TcpTransport:
             host, _, port = addr.rpartition(":")
             sock = connect_retry(host, int(port), deadline, p.rank)
             try:
-                self._hello(sock, p.rank)
+                connector_handshake(sock, self._token, self._auth, self.rank, p.rank)
                 sock.setblocking(False)
             except BaseException:
                 sock.close()
@@ -711,25 +696,6 @@ class TcpTransport:
                 ))
             return
         self._attach(p, sock)
-
-    def _hello(self, sock: socket.socket, rank: int) -> None:
-        """The connector's side of the handshake with ``rank`` (blocking)."""
-        if self._auth is None:
-            sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
-            check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, False)
-            return
-        mine = auth.nonce()
-        sock.sendall(w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, self._token, self.rank) + mine)
-        check_hello(recv_exact(sock, w.HELLO.size), self._token, rank, True)
-        theirs = recv_exact(sock, auth.NONCE_BYTES)
-        their_proof = recv_exact(sock, auth.MAC_BYTES)
-        ctx = proof_context(self._token, self.rank, rank)
-        if not auth.verify(auth.proof(self._auth, w.LISTENER_LABEL, mine, theirs, ctx), their_proof):
-            raise auth.DistAuthenticationError(
-                f"rank {rank} could not prove it knows this job's token: its {auth.ENV_VAR} "
-                "(or auth_token) differs from this process's", peer=rank,
-            )
-        sock.sendall(auth.proof(self._auth, w.CONNECTOR_LABEL, theirs, mine, ctx))
 
     def _attach(self, p: _Peer, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -849,7 +815,7 @@ class TcpTransport:
 
     # -- the progress thread ---------------------------------------------------------
     def _run(self) -> None:
-        hello: dict[int, _Hello] = {}
+        hello: dict[int, PendingHello] = {}
         parked: set[_Peer] = set()  # sockets left unwatched while a waiting thread read them
         deferred: set[_Peer] = set()  # sockets left unread: a payload waits for its receive
         lfd, wfd = self._listener.fileno(), self._wake_r.fileno()
@@ -933,7 +899,7 @@ class TcpTransport:
         for p in told:
             self._flush(p)
 
-    def _accept(self, hello: dict[int, _Hello]) -> None:
+    def _accept(self, hello: dict[int, PendingHello]) -> None:
         while True:
             try:
                 sock, _ = self._listener.accept()
@@ -946,15 +912,15 @@ class TcpTransport:
             if len(hello) >= w.MAX_PENDING_HELLOS:  # a flood: the oldest goes
                 self._end_hello(next(iter(hello)), hello, "too many connections in their handshake")
             sock.setblocking(False)
-            hello[sock.fileno()] = _Hello(sock)
+            hello[sock.fileno()] = PendingHello(sock)
             self._ep.register(sock.fileno(), select.EPOLLIN)
 
-    def _expire_hellos(self, hello: dict[int, _Hello]) -> None:
+    def _expire_hellos(self, hello: dict[int, PendingHello]) -> None:
         limit = time.monotonic() - self._hello_timeout
         for fd in [fd for fd, h in hello.items() if h.since < limit]:
             self._end_hello(fd, hello, f"no handshake within {self._hello_timeout:g} s")
 
-    def _end_hello(self, fd: int, hello: dict[int, _Hello], reason: str | None) -> socket.socket:
+    def _end_hello(self, fd: int, hello: dict[int, PendingHello], reason: str | None) -> socket.socket:
         """Take ``fd`` out of the handshake; close it (and log ``reason``) unless reason is None."""
         h = hello.pop(fd)
         try:
@@ -967,7 +933,7 @@ class TcpTransport:
             h.sock.close()
         return h.sock
 
-    def _read_hello(self, fd: int, hello: dict[int, _Hello]) -> None:
+    def _read_hello(self, fd: int, hello: dict[int, PendingHello]) -> None:
         """The listener's side of the handshake, one step per call (never blocks)."""
         h = hello[fd]
         try:
@@ -986,7 +952,7 @@ class TcpTransport:
                 self._end_hello(fd, hello, f"not a distcomm peer (sent {bytes(h.buf[:8])!r})")
             return
         try:
-            done = self._hello_step(h)
+            done = listener_step(h, self._token, self._auth, self.rank)
         except (OSError, DistError) as e:
             self._end_hello(fd, hello, str(e))
             return
@@ -1022,55 +988,6 @@ class TcpTransport:
                 name=f"distcomm-tcp-connect:{self.rank}->{rank}",
             )
         p.connector.start()  # (connecting blocks; the progress thread must not)
-
-    def _hello_step(self, h: _Hello) -> bool | None:
-        """Act on a complete step of ``h``: True when accepted, False for a probe,
-        None when more bytes are needed; raise to refuse."""
-        if h.nonces is not None:  # the connector's proof
-            assert self._auth is not None and h.rank is not None
-            ctx = proof_context(self._token, h.rank, self.rank)
-            expected = auth.proof(self._auth, w.CONNECTOR_LABEL, h.nonces[1], h.nonces[0], ctx)
-            if not auth.verify(expected, bytes(h.buf)):
-                raise auth.DistAuthenticationError(
-                    f"authentication failed: rank {h.rank}'s token is not this job's"
-                )
-            return True
-        magic, version, flags, token, rank = w.HELLO.unpack_from(h.buf)
-        if magic != w.MAGIC:
-            raise DistNetworkError(f"not a distcomm peer (sent {bytes(h.buf[:8])!r})")
-        if flags & w.PROBE:  # a higher rank checking that we are alive
-            return False
-        if version not in (w.VERSION, w.AUTH_VERSION):
-            raise DistNetworkError(f"peer speaks transport v{version}, this process v{w.VERSION}")
-        if token != self._token:
-            raise DistNetworkError("peer belongs to another job or an earlier initialisation")
-        if not 0 <= rank < self.rank:
-            raise DistNetworkError(f"unexpected rank {rank} connecting to rank {self.rank}")
-        offered = version == w.AUTH_VERSION and flags & w.AUTH
-        if offered and len(h.buf) < w.HELLO.size + auth.NONCE_BYTES:
-            h.need = w.HELLO.size + auth.NONCE_BYTES  # (read it all: closing on unread bytes resets)
-            return None
-        if self._auth is None:
-            if offered:
-                send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, w.REFUSED, bytes(16), self.rank))
-                raise auth.DistAuthenticationError(
-                    f"rank {rank} authenticates but this process has no token ({auth.ENV_VAR})"
-                )
-            send_now(h.sock, w.HELLO.pack(w.MAGIC, w.VERSION, 0, self._token, self.rank))
-            h.rank = rank
-            return True
-        if not offered:
-            send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH | w.REFUSED, bytes(16), self.rank))
-            raise auth.DistAuthenticationError(
-                f"unauthenticated connection refused (rank {rank} has no token)"
-            )
-        theirs, mine = bytes(h.buf[w.HELLO.size :]), auth.nonce()
-        ctx = proof_context(self._token, rank, self.rank)
-        send_now(h.sock, w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, self._token, self.rank)
-                  + mine + auth.proof(self._auth, w.LISTENER_LABEL, theirs, mine, ctx))
-        h.rank, h.nonces = rank, (theirs, mine)
-        h.buf, h.need = bytearray(), auth.MAC_BYTES
-        return None
 
     def _read(self, p: _Peer, until: _Done | None = None, defer: bool = False) -> None:
         """Read and handle what ``p`` sent until the socket is empty, or, for a
