@@ -17,6 +17,7 @@ from raw_sockets import closed_by_peer, raw_connect, recv_n
 
 import distcomm
 from distcomm import object_collectives as oc
+from distcomm.deadline import Deadline
 from distcomm.errors import DistConnectTimeoutError, DistInputError, DistTypeError
 from distcomm.store import HashStore, PrefixStore, TCPStore, auth
 from distcomm.store import tcp_protocol as p
@@ -26,6 +27,7 @@ from distcomm.store.tcp_server import StoreServer
 from distcomm.testing import free_port, run_ranks
 from distcomm.transport import tcp_wire as w
 from distcomm.transport.tcp import TcpTransport
+from distcomm.transport.tcp_connect import addr_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -341,31 +343,111 @@ def test_an_unauthenticated_hello_is_refused_and_the_job_goes_on(caplog):
         t1.close()
 
 
+def _read_all(sock: socket.socket) -> bytes:
+    """What the other side sends until it closes (a note if it stays open 5 s)."""
+    got = b""
+    sock.settimeout(5)
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        got += b"(still open after 5 s)"
+    return got
+
+
+_BAD_HELLOS = {  # what a connector claims -> what the listener logs
+    "another job": (dict(token=b"k" * 16), "another job"),
+    "bad magic": (dict(magic=b"HTTP/1.1"), "not a distcomm peer"),
+    "another version": (dict(version=99), "speaks transport v99"),
+    "a rank above the listener's": (dict(rank=5), "unexpected rank 5"),
+}
+
+
 @pytest.mark.parametrize("token", [None, TOKEN], ids=["plain", "authenticated"])
-def test_a_hello_of_another_job_is_refused_before_any_answer_and_the_job_goes_on(caplog, token):
-    """A process of another job (or of an earlier initialisation) that reaches this listener
-    gets nothing back: no HELLO, no challenge; the connection is closed and logged."""
+@pytest.mark.parametrize("case", list(_BAD_HELLOS))
+def test_a_hello_the_listener_refuses_gets_no_answer_and_the_job_goes_on(caplog, token, case):
+    """A connector of another job (or an earlier initialisation), another program, another
+    version or an impossible rank gets nothing back, not even a challenge: the listener
+    closes it and logs why."""
     caplog.set_level(logging.WARNING, logger="distcomm.transport")
+    fields, reason = _BAD_HELLOS[case]
+    hello = dict(magic=w.MAGIC, version=w.VERSION if token is None else w.AUTH_VERSION,
+                 flags=0 if token is None else w.AUTH, token=JOB, rank=0) | fields
     t0, t1 = _pair(token, token)
     try:
         host, _, port = t1.address.rpartition(":")
-        version, flags = (w.VERSION, 0) if token is None else (w.AUTH_VERSION, w.AUTH)
-        got = b""
         with socket.create_connection((host, int(port)), timeout=5) as sock:
-            sock.sendall(w.HELLO.pack(w.MAGIC, version, flags, b"k" * 16, 0) + auth.nonce() * (token is not None))
-            try:
-                while chunk := sock.recv(4096):
-                    got += chunk
-            except ConnectionResetError:
-                pass
-            except TimeoutError:
-                got += b"(still open after 5 s)"
-        assert got == b"", got
-        assert any("another job" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+            sock.sendall(w.HELLO.pack(*hello.values()) + (auth.nonce() if token else b""))
+            assert _read_all(sock) == b""
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("refused a connection" in m and reason in m for m in messages), messages
         _exchange(t0, t1)
     finally:
         t0.close()
         t1.close()
+
+
+def test_a_connector_whose_proof_is_wrong_is_refused_after_the_challenge(caplog):
+    caplog.set_level(logging.WARNING, logger="distcomm.transport")
+    t0, t1 = _pair(TOKEN, TOKEN)
+    try:
+        host, _, port = t1.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(w.HELLO.pack(w.MAGIC, w.AUTH_VERSION, w.AUTH, JOB, 0) + auth.nonce())
+            challenge = recv_n(sock, w.HELLO.size + auth.NONCE_BYTES + auth.MAC_BYTES)
+            assert w.HELLO.unpack_from(challenge)[2] & w.AUTH
+            sock.sendall(bytes(auth.MAC_BYTES))  # a proof made without the key
+            assert _read_all(sock) == b""
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("authentication failed" in m for m in messages), messages
+        _exchange(t0, t1)
+    finally:
+        t0.close()
+        t1.close()
+
+
+_BAD_ANSWERS = {  # what a listener answers -> the connector's error
+    "another job": (dict(token=b"k" * 16), "peer belongs to another job"),
+    "another rank": (dict(rank=3), "expected rank 1, the peer says it is rank 3"),
+    "another version": (dict(version=99), "peer speaks transport v99"),
+    "bad magic": (dict(magic=b"SSH-2.0-"), "not a distcomm peer"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_ANSWERS))
+def test_a_connector_refuses_a_listener_that_is_not_the_peer_it_wants(case):
+    """Rank 0 connects to the address rank 1 published; what answers there is not rank 1 of
+    this job: the send fails at once with the reason, not at the deadline."""
+    fields, message = _BAD_ANSWERS[case]
+    answer = dict(magic=w.MAGIC, version=w.VERSION, flags=0, token=JOB, rank=1) | fields
+    server = socket.create_server(("127.0.0.1", 0))
+    store = HashStore()
+    store.set(addr_key(1), f"127.0.0.1:{server.getsockname()[1]}")
+    accepted: list[socket.socket] = []
+
+    def answer_once() -> None:
+        conn, _ = server.accept()
+        accepted.append(conn)
+        recv_n(conn, w.HELLO.size)
+        conn.sendall(w.HELLO.pack(*answer.values()))
+
+    thread = threading.Thread(target=answer_once, daemon=True)
+    thread.start()
+    t = TcpTransport(0, 2, store, JOB, 10.0, "127.0.0.1", auth_token="")
+    try:
+        t0 = time.monotonic()
+        req = t.channel(1, [0, 1]).isend(1, 0, memoryview(np.zeros(10, np.uint8)))
+        with pytest.raises(distcomm.DistBackendError, match=message):
+            req.wait(Deadline(10))
+        assert time.monotonic() - t0 < 5
+    finally:
+        t.close()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        server.close()
 
 
 def _init_and_reduce(rank: int, n: int, port: int, token: str | None) -> tuple[float, bool]:
