@@ -153,6 +153,41 @@ def test_a_wrong_proof_gets_auth_failed_and_is_dropped(master, caplog):
     assert master.get("x") == b"1"
 
 
+def test_a_handshake_of_another_program_is_dropped_without_an_answer(master, caplog):
+    caplog.set_level(logging.WARNING, logger="distcomm.store")
+    sock = raw_connect(master.port)
+    sock.sendall(p.HANDSHAKE.pack(b"GET ", p.VERSION, p.FLAG_AUTH) + auth.nonce())  # whole, at once
+    assert _read_all(sock) == b""
+    sock.close()
+    assert any("not a distcomm store client" in r.getMessage() for r in caplog.records)
+    master.set("x", b"1")
+    assert master.get("x") == b"1"
+
+
+def test_a_client_with_a_token_refuses_a_server_that_skips_the_challenge():
+    """A server (or something posing as one) that answers an authenticating client with a
+    plain OK has proved nothing: the client refuses it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        accepted.append(conn)
+        recv_n(conn, p.HANDSHAKE.size + auth.NONCE_BYTES)
+        conn.sendall(p.HANDSHAKE_REPLY.pack(p.MAGIC, p.VERSION, p.HS_OK, 0) + bytes(64))
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(distcomm.DistError, match="answered status 0 to a handshake"):
+            TCPStore("127.0.0.1", server.getsockname()[1], timeout=5, auth_token=TOKEN)
+    finally:
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
 def test_a_client_with_a_token_refuses_a_server_without_one():
     plain = TCPStore("127.0.0.1", 0, is_master=True, timeout=10)
     try:
