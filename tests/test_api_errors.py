@@ -7,6 +7,7 @@ init_process_group, initialising twice, unknown and GPU-only backends.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -217,6 +218,21 @@ def test_arrays_whose_sizes_choose_different_algorithms_are_an_error_not_a_wait(
     results = run_world(_disagreeing, world_size, "tcp", _sizes_disagree, op, count, timeout=60)
     _check_disagreeing(results)
     assert any(r["error"] and "different sizes" in r["error"] for r in results), results
+
+
+def _forced_on_one_rank(rank: int, world_size: int) -> bool:
+    """Rank 1 alone forces the ring (a launch that gave it another environment)."""
+    if rank == 1:
+        os.environ[select.env_var("allreduce")] = "ring"
+    x = np.ones(select.ALLREDUCE_TREE_MAX_BYTES // _F64)
+    dist.all_reduce(x)
+    return bool((x == world_size).all())
+
+
+def test_ranks_that_force_different_algorithms_get_an_error_that_says_so():
+    results = run_world(_disagreeing, 3, "tcp", _forced_on_one_rank, timeout=60)
+    _check_disagreeing(results)
+    assert any(r["error"] and "DISTCOMM_*_ALGO" in r["error"] for r in results), results
 
 
 def _calls_disagree(rank: int, world_size: int, case: str, count: int) -> bool:

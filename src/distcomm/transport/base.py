@@ -131,7 +131,7 @@ def tag_clash_text(who: str, theirs: int, mine: int) -> str:
     one with another root, or another algorithm)."""
     if (theirs ^ mine) & _KIND_MASK == (theirs ^ mine) & _VARIANT_FIELD << _SEQ_SHIFT:
         return (f"{who} chose another algorithm for its {call_text(theirs)} than this rank for its "
-                "own: the ranks passed arrays of different sizes")
+                "own: the ranks passed arrays of different sizes (or set DISTCOMM_*_ALGO differently)")
     if tag_code(theirs) == tag_code(mine) == _REDUCE:  # root and reduction in one mark
         return (f"{who} called reduce with another root or reduction (op, dtype) than this rank: "
                 "the ranks' calls differ")
