@@ -419,7 +419,9 @@ class Matcher:
         """This rank starts the collective call ``tag`` (a tag of any of its steps) of
         ``group``.  Returns the error if a message of one of the group's earlier calls is
         still here: its sender's call was not the one this rank made (two broadcast roots
-        that only send), and nothing will take it.
+        that only send), and nothing will take it; or if one of this call that came before
+        this rank began it belongs to another collective, root or algorithm (:func:`clashes`:
+        its sender may never send what this rank waits for).
 
         Safe without the transport's lock: it reads and sets single dict entries (atomic
         under the GIL) and looks through copies.  A message of the previous call counted
@@ -438,7 +440,14 @@ class Matcher:
             self.checked[group] = tag & CALL_MASK
         elif self.checked:
             self.checked.pop(group, None)
-        if before is None or not self.held:
+        if not self.held:
+            return None
+        if not checked and self.held.get((group, tag & CALL_MASK)):
+            for (g, t), queue in [*self.early.items(), *self.rts.items()]:
+                senders = [item[0] for item in list(queue)]
+                if g == group and senders and clashes(t, tag):
+                    return _clash_error(senders[0], t, tag, members)
+        if before is None:
             return None
         call = before & CALL_MASK
         if call == tag & CALL_MASK or not self.held.get((group, call)):
