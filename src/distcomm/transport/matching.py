@@ -442,8 +442,9 @@ class Matcher:
             self.checked.pop(group, None)
         if not self.held:
             return None
+        entries: list[tuple[Key, deque[tuple[int, Any]]]] = [*self.early.items(), *self.rts.items()]
         if not checked and self.held.get((group, tag & CALL_MASK)):
-            for (g, t), queue in [*self.early.items(), *self.rts.items()]:
+            for (g, t), queue in entries:
                 senders = [item[0] for item in list(queue)]
                 if g == group and senders and clashes(t, tag):
                     return _clash_error(senders[0], t, tag, members)
@@ -452,7 +453,6 @@ class Matcher:
         call = before & CALL_MASK
         if call == tag & CALL_MASK or not self.held.get((group, call)):
             return None
-        entries: list[tuple[Key, deque[tuple[int, Any]]]] = [*self.early.items(), *self.rts.items()]
         for (g, t), queue in entries:
             senders = [item[0] for item in list(queue)]
             if g == group and senders and call_of(t) == call:
