@@ -442,9 +442,8 @@ class Matcher:
             self.checked.pop(group, None)
         if not self.held:
             return None
-        entries: list[tuple[Key, deque[tuple[int, Any]]]] = [*self.early.items(), *self.rts.items()]
         if not checked and self.held.get((group, tag & CALL_MASK)):
-            for (g, t), queue in entries:
+            for (g, t), queue in self._held_entries():
                 senders = [item[0] for item in list(queue)]
                 if g == group and senders and clashes(t, tag):
                     return _clash_error(senders[0], t, tag, members)
@@ -453,11 +452,15 @@ class Matcher:
         call = before & CALL_MASK
         if call == tag & CALL_MASK or not self.held.get((group, call)):
             return None
-        for (g, t), queue in entries:
+        for (g, t), queue in self._held_entries():
             senders = [item[0] for item in list(queue)]
             if g == group and senders and call_of(t) == call:
                 return _stale_error(senders[0], t, tag, members)
         return None  # (taken meanwhile)
+
+    def _held_entries(self) -> list[tuple[Key, deque[tuple[int, Any]]]]:
+        """A copy of the early messages' and pending RTS frames' entries (for :meth:`begin`)."""
+        return [*self.early.items(), *self.rts.items()]
 
     def _hold(self, peer: int, group: int, tag: int) -> None:
         """Count a coded message kept for later.  One of a call this rank finished, or of
