@@ -244,3 +244,36 @@ def test_a_peer_that_posts_and_then_goes_is_not_reported_as_gone(how):
     waiter.wait(0, 1, Deadline(5))
     with pytest.raises(DistBackendError, match="rank 0 (destroyed|died)"):
         waiter.wait(0, 2, Deadline(5))  # a phase it never posts: the departure is reported
+
+
+def _one_phase_edges(rank: int, world_size: int, port: int) -> list[tuple[int, int, bool]]:
+    """(elements, phases the call took, right) of all_reduces either side of the group's
+    one-phase size."""
+    dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=30)
+    coll = dist.GroupMember.WORLD.algorithms
+    edge = coll.small_bytes // 4
+    seen = []
+    for count in (edge, edge + 1):
+        x = np.arange(count, dtype=np.float32) % 1000 + rank
+        before = coll._phase
+        dist.all_reduce(x)
+        want = (np.arange(count) % 1000) * world_size + sum(range(world_size))
+        seen.append((count, coll._phase - before, bool(np.array_equal(x, want))))
+    dist.destroy_process_group()
+    return seen
+
+
+@pytest.mark.parametrize("world_size,setting,nbytes", [
+    (2, None, 1 << 20), (3, None, 256 * 1024), (4, None, 128 * 1024), (5, None, 128 * 1024),
+    (2, "4096", 4096),
+])
+def test_all_reduce_takes_one_phase_up_to_the_size_set_for_the_group_size(world_size, setting, nbytes):
+    """The largest all_reduce done in one phase depends on the number of ranks
+    (DISTCOMM_SHM_SMALL_BYTES overrides it); either side of it the result is right."""
+    seen = run_ranks(_one_phase_edges, world_size, free_port(), timeout=60,
+                     env={"DISTCOMM_SHM_SMALL_BYTES": setting})
+    for ranks_view in seen:
+        (at, one, right_at), (past, more, right_past) = ranks_view
+        assert at * 4 == nbytes and past == at + 1
+        assert one == 1 and more > 1 and right_at and right_past, ranks_view

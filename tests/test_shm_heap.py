@@ -243,7 +243,11 @@ def _check(results: list[dict]) -> None:
 
 #: DISTCOMM_SHM_REMOTE_BYTES of these tests: the smallest private array peers read in place.
 _REMOTE_BYTES = 256 * 1024
-_REMOTE_ENV = {"DISTCOMM_SHM_REMOTE_BYTES": str(_REMOTE_BYTES)}
+#: The largest all_reduce done in one phase in these tests (the default depends on the
+#: world size): their arrays are larger.
+_ONE_PHASE = {"DISTCOMM_SHM_SMALL_BYTES": str(64 * 1024)}
+_REMOTE_ENV = {"DISTCOMM_SHM_REMOTE_BYTES": str(_REMOTE_BYTES),
+               "DISTCOMM_SHM_ALLREDUCE_REMOTE_BYTES": str(_REMOTE_BYTES), **_ONE_PHASE}
 
 
 def _expected(pattern: str, remote: bool) -> tuple[int, int]:
@@ -289,7 +293,7 @@ def test_collectives_on_heap_arrays_go_direct_and_match_numpy(world_size):
 def test_private_arrays_are_read_in_place_or_copied(pattern, remote):
     """Peers read private arrays in their process (cross-memory attach) unless that is
     off (DISTCOMM_SHM_CMA=0), when a mix falls back to copying through the slots."""
-    env = _REMOTE_ENV if remote else {"DISTCOMM_SHM_CMA": "0"}
+    env = _REMOTE_ENV if remote else {"DISTCOMM_SHM_CMA": "0", **_ONE_PHASE}
     results = run_world(_coll_rank, len(pattern), "shm", pattern, timeout=80, env=env)
     _check(results)
     want = _expected(pattern, remote)
@@ -297,7 +301,7 @@ def test_private_arrays_are_read_in_place_or_copied(pattern, remote):
 
 
 def test_auto_on_one_machine_goes_direct():
-    results = run_world(_coll_rank, 2, "auto", "hh", timeout=80)
+    results = run_world(_coll_rank, 2, "auto", "hh", timeout=80, env=_ONE_PHASE)
     _check(results)
     assert (results[0]["direct"], results[0]["remote"]) == _expected("hh", remote=True)
 
@@ -310,7 +314,7 @@ def _subgroup_rank(rank: int, world_size: int, backend: str, port: int) -> list[
     bad = []
     sub = dist.new_group([0, 2])
     if rank in (0, 2):
-        x = dist.empty(100_000, np.float32, group=sub)  # the same heap as the world's
+        x = dist.empty(300_000, np.float32, group=sub)  # the same heap as the world's; above one phase
         x[:] = rank + 1
         dist.all_reduce(x, group=sub)
         if not (x == 4).all():

@@ -9,15 +9,18 @@ Each rank watches its peers' processes (pidfds): a rank that dies makes the
 others' waits fail within :data:`~distcomm.transport.shm_sync.NAP` seconds,
 naming it.
 
-``DISTCOMM_SHM_SLOT_BYTES`` sets the data bytes of a slot (default 512 KiB: large
-collectives go through in rounds of one slot) and ``DISTCOMM_SHM_SMALL_BYTES``
-the largest ``all_reduce`` done in one phase by every rank (default 64 KiB).
+``DISTCOMM_SHM_SLOT_BYTES`` sets the bytes of a round (default 512 KiB: large
+collectives go through the slots in rounds this large) and ``DISTCOMM_SHM_SMALL_BYTES``
+the largest ``all_reduce`` done in one phase by every rank (default by group size,
+:func:`one_phase_bytes`); a slot holds the larger of the two.
 
 Large ``all_reduce``, ``all_gather_into_tensor`` and even ``all_to_all_single``
 read peers' private arrays in place where the kernel allows it (cross-memory
 attach, probed when the group is made; ``DISTCOMM_SHM_CMA=0`` turns it off),
-from ``DISTCOMM_SHM_REMOTE_BYTES`` up (default 1 MiB), ``all_to_all_single``
-from ``DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES`` up (default 32 MiB; see
+from ``DISTCOMM_SHM_REMOTE_BYTES`` up (default 1 MiB), ``all_reduce`` from
+``DISTCOMM_SHM_ALLREDUCE_REMOTE_BYTES`` up (default by group size,
+:data:`ALLREDUCE_REMOTE_BYTES`), ``all_to_all_single`` from
+``DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES`` up (default 32 MiB; see
 :mod:`.shm_collectives`).
 
 The world group (the one named ``"default"`` by the backend factories) also
@@ -72,11 +75,40 @@ def _env_bytes(name: str, default: int, low: int) -> int:
     return value
 
 
-def slot_bytes() -> int:
-    """Bytes of one slot: its data, a multiple of 64, and the header before it (so that a
-    power-of-two collective fills whole slots instead of leaving a round of a few bytes)."""
+def round_bytes() -> int:
+    """Bytes of a slot that one round of a large collective uses: its data, a multiple of 64,
+    and the header before it (so that a power-of-two collective fills whole rounds instead
+    of leaving one of a few bytes)."""
     size = _env_bytes("DISTCOMM_SHM_SLOT_BYTES", 512 * 1024, 4096)
     return (size + LINE - 1) // LINE * LINE + HEADER
+
+
+#: The largest ``all_reduce`` done in one phase (every rank copies its array into its slot
+#: and reduces all slots itself) by default, by group size (:data:`ONE_PHASE_BYTES_MANY`
+#: from 4 ranks up).  One phase saves a synchronisation but reads every rank's array on every rank.  Measured
+#: on the 2-core machine (float32, one job alternating the two paths, time of the one phase
+#: over the two-phase or in-place path): 2 ranks 0.62x at 128 KiB, 0.65x at 256 KiB, 0.83x
+#: at 512 KiB, 0.60x at 1 MiB, 0.96x at 2 MiB, 1.8x at 4 MiB; 3 ranks 0.73x at 128 KiB,
+#: 0.87x at 256 KiB, 0.92-1.01x at 384-512 KiB; 4 ranks 0.82x at 96 KiB, 0.89x at 128 KiB,
+#: 1.05x at 192 and 256 KiB; 8 ranks 0.73x at 96 KiB, 0.98x at 128 KiB.
+ONE_PHASE_BYTES = {2: 1 << 20, 3: 256 * 1024}
+ONE_PHASE_BYTES_MANY = 128 * 1024
+
+
+#: The smallest private ``all_reduce`` array peers read in place by default, by group size
+#: (:data:`ALLREDUCE_REMOTE_BYTES_MANY` from 3 ranks up): below it the rounds through the
+#: slots were faster.  Same measurement as above, arrays rewritten before each call, time
+#: of the rounds over the in-place reads: 2 ranks 0.86x at 2 MiB, 0.98-1.06x at 4-16 MiB,
+#: 1.54x at 64 MiB; 3 ranks 0.50x at 1 MiB, 0.83x at 4 MiB, 0.96x at 16 MiB, 1.07x at 64 MiB;
+#: 4 ranks 0.61x at 1 MiB, 0.85x at 4 MiB, 0.84x at 16 MiB, 0.95x at 32 MiB, 1.17x at 64 MiB.
+ALLREDUCE_REMOTE_BYTES = {2: 4 << 20}
+ALLREDUCE_REMOTE_BYTES_MANY = 32 << 20
+
+
+def one_phase_bytes(size: int) -> int:
+    """The largest ``all_reduce`` a group of ``size`` ranks does in one phase
+    (``DISTCOMM_SHM_SMALL_BYTES``, else :data:`ONE_PHASE_BYTES`)."""
+    return _env_bytes("DISTCOMM_SHM_SMALL_BYTES", ONE_PHASE_BYTES.get(size, ONE_PHASE_BYTES_MANY), 0)
 
 
 class ShmProcessGroup(ChannelProcessGroup):
@@ -87,8 +119,9 @@ class ShmProcessGroup(ChannelProcessGroup):
     def __init__(self, store: Store, rank: int, size: int, ranks: list[int], group_name: str,
                  timeout: float, local_ranks: int) -> None:
         self.local_ranks = local_ranks
-        slot = slot_bytes()
-        small = _env_bytes("DISTCOMM_SHM_SMALL_BYTES", 64 * 1024, 0)
+        rounds = round_bytes()
+        small = one_phase_bytes(size)
+        slot = max(rounds, (small + LINE - 1) // LINE * LINE + HEADER)
         ctl_bytes = (control_bytes(size) + LINE - 1) // LINE * LINE
 
         def describe(r: int) -> str:
@@ -118,7 +151,10 @@ class ShmProcessGroup(ChannelProcessGroup):
             ]
             remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 1 << 20, 0)
             a2a_remote = _env_bytes("DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES", ALLTOALL_REMOTE_BYTES, 0)
-            collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote, a2a_remote)
+            ar_remote = _env_bytes("DISTCOMM_SHM_ALLREDUCE_REMOTE_BYTES",
+                                   ALLREDUCE_REMOTE_BYTES.get(size, ALLREDUCE_REMOTE_BYTES_MANY), 0)
+            collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote, a2a_remote,
+                                         round_bytes=rounds - HEADER, allreduce_remote_bytes=ar_remote)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
                                       describe=describe, local_ranks=local_ranks, ranks=ranks)
         except BaseException:

@@ -68,9 +68,10 @@ array of at least ``remote_bytes`` need not be copied into the slots either:
 its owner publishes its address (header word 3) instead of filling round 0,
 and peers read it where it lies, one kernel copy (``_Sources``).  The decision
 and the phases are those of direct mode, a rank's array being in its heap or
-readable through the kernel.  ``all_reduce`` and ``all_gather_into_tensor``
-use it; ``all_to_all_single`` with even blocks switches to it after round 0,
-from ``alltoall_remote_bytes`` (32 MiB) up: below that the rounds through
+readable through the kernel.  ``all_gather_into_tensor`` uses it;
+``all_reduce`` from ``allreduce_remote_bytes`` up, and ``all_to_all_single``
+with even blocks (switching to it after round 0) from ``alltoall_remote_bytes``
+up (the backend's defaults depend on the group size): below those the rounds through
 the slots were as fast or faster (docs/benchmarks.md; the kernel pins the
 peer's pages one by one, 3-4x slower for 4 KiB pages than for huge pages,
 and reads at the slow distance of :mod:`distcomm.memcopy` go through a
@@ -137,6 +138,9 @@ _PIECE_BYTES = 1024 * 1024
 #: stores 4 KiB apart, about 10% slower) meets a bad distance when peers' arrays sit at
 #: the caller's offset, as they do in ranks that allocate alike.
 _PIECE_SHIFT = 2048
+#: Collectives other than ``all_reduce`` (whose one-phase size decides) on arrays up to
+#: this size never go direct: the trailing phase would cost more than the copy saves.
+DIRECT_MIN_BYTES = 64 * 1024
 #: Default smallest all_to_all send buffer read in place (see "Remote mode" above).
 ALLTOALL_REMOTE_BYTES = 32 * 1024 * 1024
 #: What the first phase of a collective that may go direct (``_open``) decided.
@@ -199,8 +203,10 @@ class _Sources:
 class ShmCollectives:
     """The collectives of one shared-memory group, seen from one rank.
 
-    ``slots[r][b]`` are the byte arrays of rank r's two slots (each
-    ``slot_bytes`` long, the first :data:`HEADER` bytes reserved).
+    ``slots[r][b]`` are the byte arrays of rank r's two slots (the first
+    :data:`HEADER` bytes reserved).  A large collective moves ``round_bytes``
+    (default: all the rest) per round through them; an ``all_reduce`` of at
+    most ``small_bytes`` (which fit a slot) goes in one phase.
     ``heaps[r]`` (or None for a group without heaps) is a uint8 array over
     rank r's heap, mapped here.  Methods take 1-D contiguous arrays and work
     in place like :mod:`distcomm.algorithms`; ``seq`` is accepted for the
@@ -213,13 +219,19 @@ class ShmCollectives:
 
     def __init__(self, control: Control, slots: list[list[np.ndarray]], small_bytes: int,
                  heaps: list[np.ndarray] | None = None, reader: PeerReader | None = None,
-                 remote_bytes: int = 0, alltoall_remote_bytes: int = ALLTOALL_REMOTE_BYTES) -> None:
+                 remote_bytes: int = 0, alltoall_remote_bytes: int = ALLTOALL_REMOTE_BYTES,
+                 round_bytes: int | None = None, allreduce_remote_bytes: int | None = None) -> None:
         self.ctl = control
         self.rank = control.rank
         self.size = control.size
         self.slots = slots
-        self.slot_bytes = len(slots[0][0]) - HEADER
-        self.small_bytes = min(small_bytes, self.slot_bytes)
+        whole = len(slots[0][0]) - HEADER
+        #: Bytes of a slot one round of a large collective uses.
+        self.slot_bytes = whole if round_bytes is None else min(round_bytes, whole)
+        #: The largest ``all_reduce`` done in one phase.
+        self.small_bytes = min(small_bytes, whole)
+        #: Arrays larger than this may be read in place (direct or remote mode).
+        self.direct_bytes = min(DIRECT_MIN_BYTES, self.small_bytes)
         self._phase = 0
         self._next = [0] * self.size  # the slot each rank writes next
         self._zeros, self._ones = [0] * self.size, [1] * self.size
@@ -241,7 +253,9 @@ class ShmCollectives:
         #: Peers' private memory, read in place (cross-memory attach), or None.
         self.reader = reader
         #: Smallest array read that way (bytes).
-        self.remote_bytes = max(remote_bytes, self.small_bytes + 1)
+        self.remote_bytes = max(remote_bytes, self.direct_bytes + 1)
+        #: Smallest ``all_reduce`` array read that way.
+        self.allreduce_remote_bytes = max(allreduce_remote_bytes or 0, self.remote_bytes)
         #: Smallest ``all_to_all`` send buffer whose blocks peers read that way.
         self.alltoall_remote_bytes = max(alltoall_remote_bytes, self.remote_bytes)
         self.remote_calls = 0
@@ -504,8 +518,8 @@ class ShmCollectives:
         a loop of small calls of one size pays for the views once)."""
         key = (dtype, count)
         if key != self._small_key:
-            views = self._views(dtype)
-            self._small = [[v[:count] for v in pair] for pair in views]
+            end = HEADER + count * dtype.itemsize
+            self._small = [[s[HEADER:end].view(dtype) for s in pair] for pair in self.slots]
             self._small_key = key
         return self._small
 
@@ -521,7 +535,8 @@ class ShmCollectives:
             def fill(b: int) -> None:
                 self._fill_others(views[me][b], arr[:m0])
 
-            mode, q, used, src = self._open(arr, code, fill, deadline)
+            mode, q, used, src = self._open(arr, code, fill, deadline,
+                                            remote=arr.nbytes >= self.allreduce_remote_bytes)
             if src is not None:
                 self._allreduce_direct(arr, src, combine, deadline)
                 return
@@ -612,7 +627,7 @@ class ShmCollectives:
         me = self.rank
         # the root alone decides whether to go direct; round 0's header says so
         heads = self._may_direct
-        off = self._heap_offset(data) if heads and me == root and data.size > self.small_bytes else -1
+        off = self._heap_offset(data) if heads and me == root and data.size > self.direct_bytes else -1
         for lo in range(0, data.size, per):
             part = data[lo : lo + per]
             q = self._begin()
@@ -697,7 +712,7 @@ class ShmCollectives:
             return
         m = out.size // n
         start = 0
-        if self._may_direct and out.nbytes > self.small_bytes:
+        if self._may_direct and out.nbytes > self.direct_bytes:
             views = self._views(out.dtype)
             me = self.rank
             k = min(len(views[0][0]), m)
@@ -828,7 +843,7 @@ class ShmCollectives:
         peers = [j for j in range(n) if j != me]
         code = _reducing(_CODES["reduce_scatter"], combine)
         start = 0
-        if self._may_direct and inp.nbytes > self.small_bytes:
+        if self._may_direct and inp.nbytes > self.direct_bytes:
             k = min(per, m)
 
             def fill(b: int) -> None:
