@@ -277,3 +277,54 @@ def test_all_reduce_takes_one_phase_up_to_the_size_set_for_the_group_size(world_
         (at, one, right_at), (past, more, right_past) = ranks_view
         assert at * 4 == nbytes and past == at + 1
         assert one == 1 and more > 1 and right_at and right_past, ranks_view
+
+
+def _at_slow_distance(rank: int, world_size: int, port: int) -> list[str]:
+    """Arrays placed 16 bytes after this rank's first slot (modulo a page), where a plain
+    copy between them is about ten times slower (distcomm.memcopy): results still right."""
+    from distcomm.arrays import data_address
+
+    dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=30)
+    slot = data_address(dist.GroupMember.WORLD.algorithms.slots[rank][0]) + 64
+    pool = np.zeros(8 << 20, np.uint8)
+    taken = 0
+
+    def placed(count: int) -> np.ndarray:
+        nonlocal taken
+        start = taken + (slot - 16 - data_address(pool) - taken) % 4096
+        taken = start + 4 * count
+        return pool[start:taken].view(np.float32)
+
+    n, count, bad = world_size, 50_001, []
+    x = placed(count)
+    x[:] = np.arange(count) + rank
+    dist.all_reduce(x)
+    if not np.array_equal(x, np.arange(count) * n + sum(range(n))):
+        bad.append("all_reduce")
+    b = placed(count)
+    b[:] = np.arange(count) + rank
+    dist.broadcast(b, src=n - 1)
+    if not np.array_equal(b, np.arange(count) + n - 1):
+        bad.append("broadcast")
+    g, mine = placed(count * n), placed(count)
+    mine[:] = np.arange(count) + rank
+    dist.all_gather_into_tensor(g, mine)
+    if not np.array_equal(g, np.concatenate([np.arange(count) + r for r in range(n)])):
+        bad.append("all_gather_into_tensor")
+    out = placed(count)
+    dist.reduce_scatter_tensor(out, g)
+    if not np.array_equal(out, (np.arange(count) + rank) * n):
+        bad.append("reduce_scatter_tensor")
+    got = placed(count * n)
+    dist.all_to_all_single(got, g)
+    if not np.array_equal(got, np.tile(np.arange(count) + rank, n)):
+        bad.append("all_to_all_single")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_arrays_at_the_slow_copy_distance_from_the_slots_give_right_results(world_size):
+    for bad in run_ranks(_at_slow_distance, world_size, free_port(), timeout=60):
+        assert not bad, bad

@@ -17,9 +17,8 @@ the largest ``all_reduce`` done in one phase by every rank (default by group siz
 Large ``all_reduce``, ``all_gather_into_tensor`` and even ``all_to_all_single``
 read peers' private arrays in place where the kernel allows it (cross-memory
 attach, probed when the group is made; ``DISTCOMM_SHM_CMA=0`` turns it off),
-from ``DISTCOMM_SHM_REMOTE_BYTES`` up (default 1 MiB), ``all_reduce`` from
-``DISTCOMM_SHM_ALLREDUCE_REMOTE_BYTES`` up (default by group size,
-:data:`ALLREDUCE_REMOTE_BYTES`), ``all_to_all_single`` from
+``all_gather_into_tensor`` from ``DISTCOMM_SHM_REMOTE_BYTES`` up (default 1 MiB), ``all_reduce`` from
+``DISTCOMM_SHM_ALLREDUCE_REMOTE_BYTES`` up (default 4 MiB), ``all_to_all_single`` from
 ``DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES`` up (default 32 MiB; see
 :mod:`.shm_collectives`).
 
@@ -95,14 +94,14 @@ ONE_PHASE_BYTES = {2: 1 << 20, 3: 256 * 1024}
 ONE_PHASE_BYTES_MANY = 128 * 1024
 
 
-#: The smallest private ``all_reduce`` array peers read in place by default, by group size
-#: (:data:`ALLREDUCE_REMOTE_BYTES_MANY` from 3 ranks up): below it the rounds through the
-#: slots were faster.  Same measurement as above, arrays rewritten before each call, time
-#: of the rounds over the in-place reads: 2 ranks 0.86x at 2 MiB, 0.98-1.06x at 4-16 MiB,
-#: 1.54x at 64 MiB; 3 ranks 0.50x at 1 MiB, 0.83x at 4 MiB, 0.96x at 16 MiB, 1.07x at 64 MiB;
-#: 4 ranks 0.61x at 1 MiB, 0.85x at 4 MiB, 0.84x at 16 MiB, 0.95x at 32 MiB, 1.17x at 64 MiB.
-ALLREDUCE_REMOTE_BYTES = {2: 4 << 20}
-ALLREDUCE_REMOTE_BYTES_MANY = 32 << 20
+#: The smallest private ``all_reduce`` array peers read in place by default: below it the
+#: rounds through the slots were faster.  Same measurement as above but with the arrays
+#: rewritten from a copy before each call (as the benchmark does; a constant fill, which
+#: keeps them in cache, favoured the rounds up to 32 MiB), time of the rounds over the
+#: in-place reads: 2 ranks 0.86-0.89x at 2 MiB, 1.36x at 4 MiB, 1.6-1.7x at 16-64 MiB;
+#: 3 ranks 0.76x at 1 MiB, 0.86x at 2 MiB, 1.02x at 4 MiB; 4 ranks 1.04x at 1 MiB, 0.89-1.03x
+#: at 2 MiB, 0.93-1.21x at 4 MiB, 0.98x at 16 MiB, 1.14x at 64 MiB.
+ALLREDUCE_REMOTE_BYTES = 4 << 20
 
 
 def one_phase_bytes(size: int) -> int:
@@ -151,8 +150,7 @@ class ShmProcessGroup(ChannelProcessGroup):
             ]
             remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 1 << 20, 0)
             a2a_remote = _env_bytes("DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES", ALLTOALL_REMOTE_BYTES, 0)
-            ar_remote = _env_bytes("DISTCOMM_SHM_ALLREDUCE_REMOTE_BYTES",
-                                   ALLREDUCE_REMOTE_BYTES.get(size, ALLREDUCE_REMOTE_BYTES_MANY), 0)
+            ar_remote = _env_bytes("DISTCOMM_SHM_ALLREDUCE_REMOTE_BYTES", ALLREDUCE_REMOTE_BYTES, 0)
             collectives = ShmCollectives(self._control, slots, small, heaps, reader, remote, a2a_remote,
                                          round_bytes=rounds - HEADER, allreduce_remote_bytes=ar_remote)
             channel = ShmChannel.open(PrefixStore("p2p", store), rank, size, timeout,
