@@ -487,7 +487,7 @@ class ShmCollectives:
         self._phase = q = self._phase + 1
         used = self._all_write(deadline)
         me = self.rank
-        copy_into(small[me][used[me]], arr)
+        small[me][used[me]][...] = arr
         code = _ALLREDUCE | getattr(combine, "mark", 0) << 4  # (_reducing, inlined)
         nbytes, call = arr.nbytes, q << 12 | code
         words = self._words
@@ -508,7 +508,7 @@ class ShmCollectives:
             for j in range(2, self.size):
                 combine(arr, small[j][used[j]])
         else:
-            copy_into(arr, small[0][used[0]])
+            arr[...] = small[0][used[0]]
             for j in range(1, self.size):
                 combine(arr, small[j][used[j]])
         self._read_until(used[me], q)
@@ -560,8 +560,8 @@ class ShmCollectives:
         """Copy ``chunk`` into ``slot`` except this rank's own slice, which only this rank
         reduces (from ``chunk`` itself): (n-1)/n of the bytes."""
         s0, s1 = _bounds(chunk.size, self.size, self.rank)
-        copy_into(slot[:s0], chunk[:s0])
-        copy_into(slot[s1 : chunk.size], chunk[s1:])
+        slot[:s0] = chunk[:s0]
+        slot[s1 : chunk.size] = chunk[s1:]
 
     def _allreduce_round(self, chunk: np.ndarray, q: int, used: list[int], views: list[list[np.ndarray]],
                          combine: Combine, deadline: Deadline) -> None:
@@ -584,16 +584,16 @@ class ShmCollectives:
             elif into is not None:
                 into(chunk[s0:s1], theirs, acc)
             else:
-                copy_into(acc, chunk[s0:s1])
+                acc[...] = chunk[s0:s1]
                 combine(acc, theirs)
             first = False
         q2 = self._begin()
         self.ctl.post(q2)
-        copy_into(chunk[s0:s1], acc)
+        chunk[s0:s1] = acc
         for j in others:
             self.ctl.wait(j, q2, deadline)
             j0, j1 = _bounds(m, n, j)
-            copy_into(chunk[j0:j1], views[j][used[j]][j0:j1])
+            chunk[j0:j1] = views[j][used[j]][j0:j1]
         self._read_until(used[me], q2)
 
     def _allreduce_direct(self, arr: np.ndarray, src: _Sources, combine: Combine,
@@ -643,7 +643,7 @@ class ShmCollectives:
                         head[1] = off
                         head[2] = data.size
                 if off < 0:
-                    copy_into(slot, part)
+                    slot[:] = part
                 self.ctl.post(q)
                 self._read_until(b, q)
                 if lo == 0:
@@ -662,7 +662,7 @@ class ShmCollectives:
                     q2 = self._begin()
                     self.ctl.post(q2)
                     return
-                copy_into(part, slot)
+                part[:] = slot
 
     def _copy_announced(self, data: np.ndarray, root: int, head: np.ndarray) -> bool:
         """Copy the root's heap array into ``data`` if its header says where it lies
@@ -690,7 +690,7 @@ class ShmCollectives:
             q = self._begin()
             used = self._others_write(root, deadline)
             if me != root:
-                copy_into(views[me][used[me]][:m], chunk)
+                views[me][used[me]][:m] = chunk
                 if lo == 0:
                     self._say(used[me], q, code, arr.nbytes)
                 self.ctl.post(q)
@@ -719,7 +719,7 @@ class ShmCollectives:
             own = out[me * m : (me + 1) * m]
 
             def fill(b: int) -> None:
-                copy_into(views[me][b][:k], own[:k])
+                views[me][b][:k] = own[:k]
 
             mode, q, used, src = self._open(out, _CODES["all_gather"], fill, deadline)
             if src is not None:
@@ -730,7 +730,7 @@ class ShmCollectives:
             if mode == SLOTS:
                 self._read_until(used[me], q)
                 for j in self._others():
-                    copy_into(out[j * m : j * m + k], views[j][used[j]][:k])
+                    out[j * m : j * m + k] = views[j][used[j]][:k]
                 start = k
         self._gather_rounds(out, m, None, deadline, start=start)
 
@@ -739,14 +739,14 @@ class ShmCollectives:
         send = _flat(send)
         if self.size == 1:
             if out is not None and send.size:
-                copy_into(_flat(out)[: send.size], send)
+                _flat(out)[: send.size] = send
             return
         if send.size == 0:
             return
         if self.rank == root:
             out = _flat(out)
             m = send.size
-            copy_into(out[root * m : (root + 1) * m], send)
+            out[root * m : (root + 1) * m] = send
             self._gather_rounds(out, m, root, deadline)
         else:
             self._gather_rounds(send, send.size, root, deadline, own=send)
@@ -771,7 +771,7 @@ class ShmCollectives:
             writes = root is None or me != root
             used = self._all_write(deadline) if root is None else self._others_write(root, deadline)
             if writes:
-                copy_into(views[me][used[me]][:k], own[lo : lo + k])
+                views[me][used[me]][:k] = own[lo : lo + k]
                 if lo == start:
                     self._say(used[me], q, code, m * own.itemsize)
             self.ctl.post(q)
@@ -783,7 +783,7 @@ class ShmCollectives:
                 self.ctl.wait(j, q, deadline)
                 if lo == start:
                     self._check(j, used[j], q, code, m * own.itemsize, "one rank's block")
-                copy_into(out[j * m + lo : j * m + lo + k], views[j][used[j]][:k])
+                out[j * m + lo : j * m + lo + k] = views[j][used[j]][:k]
 
     def scatter(self, buf: np.ndarray | None, out: np.ndarray, root: int, seq: int,
                 deadline: Deadline) -> None:
@@ -807,7 +807,7 @@ class ShmCollectives:
             if me == root:
                 for d in range(n):
                     if d != root:
-                        copy_into(slot[d * per : d * per + k], buf[d * m + lo : d * m + lo + k])
+                        slot[d * per : d * per + k] = buf[d * m + lo : d * m + lo + k]
                 if lo == 0:
                     self._say(b, q, _CODES["scatter"], out.nbytes)
                 self.ctl.post(q)
@@ -820,7 +820,7 @@ class ShmCollectives:
                 if lo == 0:
                     self._check_rooted(q, call)
                     self._check(root, b, q, _CODES["scatter"], out.nbytes, "one rank's block")
-                copy_into(out[lo : lo + k], slot[me * per : me * per + k])
+                out[lo : lo + k] = slot[me * per : me * per + k]
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, combine: Combine, seq: int,
                        deadline: Deadline) -> None:
@@ -849,7 +849,7 @@ class ShmCollectives:
             def fill(b: int) -> None:
                 slot = views[me][b]
                 for d in others:
-                    copy_into(slot[d * per : d * per + k], inp[d * m : d * m + k])
+                    slot[d * per : d * per + k] = inp[d * m : d * m + k]
 
             # peers' private inputs are not read in place: the copies into the slots,
             # spread over every rank, beat one rank reading through the kernel
@@ -870,7 +870,7 @@ class ShmCollectives:
             used = self._all_write(deadline)
             slot = views[me][used[me]]
             for d in others:
-                copy_into(slot[d * per : d * per + k], inp[d * m + lo : d * m + lo + k])
+                slot[d * per : d * per + k] = inp[d * m + lo : d * m + lo + k]
             if lo == 0:
                 self._say(used[me], q, code, inp.nbytes)
             self.ctl.post(q)
@@ -914,7 +914,7 @@ class ShmCollectives:
             for d in others:
                 k = max(0, min(per, send_counts[d] - lo))
                 if k:
-                    copy_into(slot[d * per : d * per + k], send[s_off[d] + lo : s_off[d] + lo + k])
+                    slot[d * per : d * per + k] = send[s_off[d] + lo : s_off[d] + lo + k]
                 left = max(left, send_counts[d] - lo - k)
             head = self._headers[me][used[me]]
             head[0] = left
@@ -933,7 +933,7 @@ class ShmCollectives:
                     self._check(j, used[j], q, _ALLTOALL, None)
                 k = max(0, min(per, recv_counts[j] - lo))
                 if k:
-                    copy_into(recv[r_off[j] + lo : r_off[j] + lo + k], views[j][used[j]][me * per : me * per + k])
+                    recv[r_off[j] + lo : r_off[j] + lo + k] = views[j][used[j]][me * per : me * per + k]
                 more = more or self._headers[j][used[j]][0] > 0
             self._read_until(used[me], q)
             if lo == 0:
@@ -959,7 +959,7 @@ class ShmCollectives:
         me, c = self.rank, counts[0]
         q = self._begin()
         used = self._all_write(deadline)
-        copy_into(views[me][used[me]][: send.size], send)
+        views[me][used[me]][: send.size] = send
         words = self._words[me][used[me]]
         words[0] = words[2] = 0
         words[4], words[5] = split_hashes(self._split_weights, counts, counts)
@@ -971,7 +971,7 @@ class ShmCollectives:
         self._check_splits(used)
         lo, hi = me * c, me * c + c
         for j in range(self.size):
-            copy_into(recv[j * c : j * c + c], views[j][used[j]][lo:hi])
+            recv[j * c : j * c + c] = views[j][used[j]][lo:hi]
 
     def _check_splits(self, used: list[int]) -> None:
         """After the first round of an all_to_all (every rank's header seen): raise on every
