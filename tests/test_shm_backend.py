@@ -278,3 +278,18 @@ def test_all_reduce_takes_one_phase_up_to_the_size_set_for_the_group_size(world_
         assert at * 4 == nbytes and past == at + 1
         assert one == 1 and more > 1 and right_at and right_past, ranks_view
 
+
+
+def test_no_slot_has_its_data_at_the_start_of_a_page():
+    """Copies from a slot whose data starts a page into NumPy's large arrays (16 bytes into
+    theirs) are at the slow distance of distcomm.memcopy: the layout skips that offset."""
+    from distcomm.backends.shm import HEADER, LINE, one_phase_bytes, round_bytes, slot_layout
+    from distcomm.transport.shm_sync import control_bytes
+
+    for size in range(1, 129):
+        ctl = (control_bytes(size) + LINE - 1) // LINE * LINE
+        slot = max(round_bytes(), one_phase_bytes(size) + HEADER)
+        starts, end = slot_layout(ctl, slot, 2 * size)
+        assert starts[0] >= ctl and end == starts[-1] + slot
+        assert all(b - a >= slot for a, b in zip(starts, starts[1:])), size
+        assert all(s % LINE == 0 and (s + HEADER) % 4096 for s in starts), size

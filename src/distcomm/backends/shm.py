@@ -45,6 +45,7 @@ from ..backend_registry import Backend, BackendFactory
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError
 from ..group import describe_rank
+from ..memcopy import PAGE
 from ..store import PrefixStore, Store
 from ..store.exchange import all_gather_strings
 from ..transport.shm_channel import ShmChannel
@@ -110,6 +111,21 @@ def one_phase_bytes(size: int) -> int:
     return _env_bytes("DISTCOMM_SHM_SMALL_BYTES", ONE_PHASE_BYTES.get(size, ONE_PHASE_BYTES_MANY), 0)
 
 
+def slot_layout(start: int, slot: int, count: int) -> tuple[list[int], int]:
+    """Where ``count`` slots of ``slot`` bytes go from byte ``start`` on (a multiple of 64),
+    and where the last ends.  Slots follow each other, except that none has its data (after
+    its header) at the start of a page: NumPy's large arrays begin 16 bytes into a page,
+    and a copy from such a slot into them would be 16 bytes after its source, the slow
+    distance of :mod:`distcomm.memcopy` (groups of 21 ranks and more met it)."""
+    starts, at = [], start
+    for _ in range(count):
+        if (at + HEADER) % PAGE == 0:
+            at += LINE
+        starts.append(at)
+        at += slot
+    return starts, at
+
+
 class ShmProcessGroup(ChannelProcessGroup):
     """A group whose ranks share this machine's memory."""
 
@@ -122,6 +138,7 @@ class ShmProcessGroup(ChannelProcessGroup):
         small = one_phase_bytes(size)
         slot = max(rounds, (small + LINE - 1) // LINE * LINE + HEADER)
         ctl_bytes = (control_bytes(size) + LINE - 1) // LINE * LINE
+        starts, end = slot_layout(ctl_bytes, slot, 2 * size)
 
         def describe(r: int) -> str:
             return describe_rank(ranks, r)
@@ -134,7 +151,7 @@ class ShmProcessGroup(ChannelProcessGroup):
         channel = None
         try:
             heaps = self._open_heaps(store, rank, size, ranks, group_name, timeout)
-            self._segment = open_shared(store, rank, size, "coll", ctl_bytes + 2 * size * slot, timeout)
+            self._segment = open_shared(store, rank, size, "coll", end, timeout)
             mem = self._segment.buf
             self._control = Control(mem[:ctl_bytes], rank, size, describe, local_ranks, ranks)
             token, probe = probe_token()
@@ -145,7 +162,7 @@ class ShmProcessGroup(ChannelProcessGroup):
             reader = self._agree_on_reader(store, rank, size, pids, [p for _, p in seen], describe, ranks, timeout)
             del token  # every peer has probed it (the agreement above waited for all)
             slots = [
-                [np.frombuffer(mem, np.uint8, slot, ctl_bytes + (2 * r + b) * slot) for b in (0, 1)]
+                [np.frombuffer(mem, np.uint8, slot, starts[2 * r + b]) for b in (0, 1)]
                 for r in range(size)
             ]
             remote = _env_bytes("DISTCOMM_SHM_REMOTE_BYTES", 1 << 20, 0)
