@@ -291,5 +291,5 @@ def test_no_slot_has_its_data_at_the_start_of_a_page():
         slot = max(round_bytes(), one_phase_bytes(size) + HEADER)
         starts, end = slot_layout(ctl, slot, 2 * size)
         assert starts[0] >= ctl and end == starts[-1] + slot
-        assert all(b - a >= slot for a, b in zip(starts, starts[1:])), size
+        assert all(b - a >= slot for a, b in zip(starts, starts[1:], strict=False)), size
         assert all(s % LINE == 0 and (s + HEADER) % 4096 for s in starts), size
