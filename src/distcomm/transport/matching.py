@@ -226,9 +226,12 @@ class Matcher:
         self.rts: dict[Key, deque[tuple[int, int]]] = {}
         # Calls whose messages no receive took (see begin): per (group, call space) the tag of
         # the collective call this rank is in, per (group, call) how many of its messages are
-        # held (early or announced), per group the first message of a call it had finished.
+        # held (early or announced) and their tags, per group the first message of a call it
+        # had finished.  (The tags let begin and waiting_clash look at one call's messages
+        # only: a broadcast root may run hundreds of calls ahead of the others.)
         self.calls: dict[Key, int] = {}
         self.held: dict[Key, int] = {}
+        self.held_tags: dict[Key, set[int]] = {}
         self.stale: dict[int, DistBackendError] = {}
         self.members: dict[int, dict[int, int]] = {}  # group -> process rank -> group rank
         self.abandoned: set[Key] = set()  # (group, call): calls every rank gave up on (abandon)
@@ -356,12 +359,12 @@ class Matcher:
         """The error for ``req`` if a message its source sent for the same call of another
         collective (root, algorithm), or for its step cut differently (:meth:`cut_with`), is
         already here (kept early, or announced by an RTS)."""
+        for tag in self._clashing(req.group, req.tag):
+            for held in (self.early, self.rts):
+                for item in held.get((req.group, tag), ()):
+                    if req.accepts(item[0]):
+                        return _clash_error(item[0], tag, req.tag, req.members)
         for held in (self.early, self.rts):
-            for (group, tag), queue in held.items():
-                if group == req.group and clashes(tag, req.tag):
-                    for item in queue:
-                        if req.accepts(item[0]):
-                            return _clash_error(item[0], tag, req.tag, req.members)
             for bits in _CUTS if held else ():
                 for item in held.get((req.group, req.tag ^ bits), ()):
                     if req.accepts(item[0]):
@@ -442,11 +445,12 @@ class Matcher:
             self.checked.pop(group, None)
         if not self.held:
             return None
-        if not checked and self.held.get((group, tag & CALL_MASK)):
-            for (g, t), queue in self._held_entries():
-                senders = [item[0] for item in list(queue)]
-                if g == group and senders and clashes(t, tag):
-                    return _clash_error(senders[0], t, tag, members)
+        if not checked:
+            for t in self._clashing(group, tag):
+                for held in (self.early, self.rts):
+                    senders = [item[0] for item in list(held.get((group, t), ()))]
+                    if senders:
+                        return _clash_error(senders[0], t, tag, members)
         if before is None:
             return None
         call = before & CALL_MASK
@@ -457,6 +461,12 @@ class Matcher:
             if g == group and senders and call_of(t) == call:
                 return _stale_error(senders[0], t, tag, members)
         return None  # (taken meanwhile)
+
+    def _clashing(self, group: int, tag: int) -> list[int]:
+        """The tags of held messages of ``tag``'s call in ``group`` that :func:`clashes` with
+        it (some may have been taken since)."""
+        tags = self.held_tags.get((group, tag & CALL_MASK))
+        return [t for t in list(tags) if clashes(t, tag)] if tags else []
 
     def _held_entries(self) -> list[tuple[Key, deque[tuple[int, Any]]]]:
         """A copy of the early messages' and pending RTS frames' entries (for :meth:`begin`)."""
@@ -482,6 +492,7 @@ class Matcher:
             return
         key = (group, tag & CALL_MASK)
         self.held[key] = self.held.get(key, 0) + 1
+        self.held_tags.setdefault(key, set()).add(tag)
         if self.calls.get((group, tag & CALL_SPACE_MASK)) != now:
             # begin (which takes no lock) started the next call meanwhile and may have
             # looked for held messages before this one was counted: judge it again
@@ -495,6 +506,7 @@ class Matcher:
             self.held[key] = n
         else:
             self.held.pop(key, None)
+            self.held_tags.pop(key, None)
 
     def abandon(self, group: int, tag: int) -> list[bytes]:
         """Every rank gave up on the collective call of ``tag`` (any step) before using a
@@ -503,6 +515,7 @@ class Matcher:
         call = call_of(tag)
         self.abandoned.add((group, call))
         self.held.pop((group, call), None)
+        self.held_tags.pop((group, call), None)
         payloads = []
         for key in [k for k in self.early if k[0] == group and call_of(k[1]) == call]:
             for _peer, data in self.early.pop(key):
@@ -525,7 +538,7 @@ class Matcher:
             for peer, _nbytes in self.rts.pop(key):
                 if tag_code(key[1]):
                     calls[(peer, call_of(key[1]))] = key[1]
-        for d in (self.calls, self.held):  # (calls: a copy first, begin may add to it meanwhile)
+        for d in (self.calls, self.held, self.held_tags):  # (a copy first: begin may add to calls)
             for key in [k for k in list(d) if k[0] == group]:
                 d.pop(key, None)
         self.stale.pop(group, None)
