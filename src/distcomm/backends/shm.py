@@ -85,9 +85,9 @@ def round_bytes() -> int:
 
 #: The largest ``all_reduce`` done in one phase (every rank copies its array into its slot
 #: and reduces all slots itself) by default, by group size (:data:`ONE_PHASE_BYTES_MANY`
-#: from 4 ranks up).  One phase saves a synchronisation but reads every rank's array on every rank.  Measured
-#: on the 2-core machine (float32, one job alternating the two paths, time of the one phase
-#: over the two-phase or in-place path): 2 ranks 0.62x at 128 KiB, 0.65x at 256 KiB, 0.83x
+#: from 4 ranks up).  One phase saves a synchronisation but reads every rank's array on
+#: every rank.  Measured on the 2-core machine (float32, one job alternating the two paths,
+#: time of the one phase over the two-phase or in-place path): 2 ranks 0.62x at 128 KiB, 0.65x at 256 KiB, 0.83x
 #: at 512 KiB, 0.60x at 1 MiB, 0.96x at 2 MiB, 1.8x at 4 MiB; 3 ranks 0.73x at 128 KiB,
 #: 0.87x at 256 KiB, 0.92-1.01x at 384-512 KiB; 4 ranks 0.82x at 96 KiB, 0.89x at 128 KiB,
 #: 1.05x at 192 and 256 KiB; 8 ranks 0.73x at 96 KiB, 0.98x at 128 KiB.

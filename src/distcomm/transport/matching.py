@@ -480,6 +480,8 @@ class Matcher:
         found = 0 if now is None else against(tag, now)
         if found == CLASHING and self.checked.get(group) == tag & CALL_MASK:
             found = 0  # (the ranks compare their calls first: see begin)
+        key = (group, tag & CALL_MASK)
+        self.held_tags.setdefault(key, set()).add(tag)  # (also when it fails the group: see waiting_clash)
         if found:
             assert now is not None
             if group not in self.stale:
@@ -490,9 +492,7 @@ class Matcher:
                 self._fail_where(error, lambda req: req.group == group)
                 self.failing.append((group, error))
             return
-        key = (group, tag & CALL_MASK)
         self.held[key] = self.held.get(key, 0) + 1
-        self.held_tags.setdefault(key, set()).add(tag)
         if self.calls.get((group, tag & CALL_SPACE_MASK)) != now:
             # begin (which takes no lock) started the next call meanwhile and may have
             # looked for held messages before this one was counted: judge it again
