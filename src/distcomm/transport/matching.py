@@ -26,7 +26,6 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
@@ -446,21 +445,16 @@ class Matcher:
         if not self.held:
             return None
         if not checked:
-            for t in self._clashing(group, tag):
-                for held in (self.early, self.rts):
-                    senders = [item[0] for item in list(held.get((group, t), ()))]
-                    if senders:
-                        return _clash_error(senders[0], t, tag, members)
+            found = self._first_held(group, self._clashing(group, tag))
+            if found is not None:
+                return _clash_error(found[0], found[1], tag, members)
         if before is None:
             return None
         call = before & CALL_MASK
         if call == tag & CALL_MASK or not self.held.get((group, call)):
             return None
-        for (g, t), queue in self._held_entries():
-            senders = [item[0] for item in list(queue)]
-            if g == group and senders and call_of(t) == call:
-                return _stale_error(senders[0], t, tag, members)
-        return None  # (taken meanwhile)
+        found = self._first_held(group, list(self.held_tags.get((group, call), ())))
+        return None if found is None else _stale_error(found[0], found[1], tag, members)
 
     def _clashing(self, group: int, tag: int) -> list[int]:
         """The tags of held messages of ``tag``'s call in ``group`` that :func:`clashes` with
@@ -468,9 +462,15 @@ class Matcher:
         tags = self.held_tags.get((group, tag & CALL_MASK))
         return [t for t in list(tags) if clashes(t, tag)] if tags else []
 
-    def _held_entries(self) -> list[tuple[Key, deque[tuple[int, Any]]]]:
-        """A copy of the early messages' and pending RTS frames' entries (for :meth:`begin`)."""
-        return [*self.early.items(), *self.rts.items()]
+    def _first_held(self, group: int, tags: list[int]) -> tuple[int, int] | None:
+        """(sender, tag) of a message still held (early or announced) under one of ``tags``
+        in ``group``, or None (all taken meanwhile)."""
+        for t in tags:
+            for held in (self.early, self.rts):
+                queue = list(held.get((group, t), ()))  # (a copy: begin takes no lock)
+                if queue:
+                    return queue[0][0], t
+        return None
 
     def _hold(self, peer: int, group: int, tag: int) -> None:
         """Count a coded message kept for later.  One of a call this rank finished, or of
