@@ -1,8 +1,11 @@
-"""Addresses of the ft servers: ``host:port`` (``[v6]:port``) parsed, formatted, listened on."""
+"""Addresses of the ft servers: ``host:port`` (``[v6]:port``) parsed, formatted, listened on,
+and their connections accepted."""
 
 from __future__ import annotations
 
 import socket
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import DistInputError
@@ -28,3 +31,21 @@ def listen(host: str) -> tuple[socket.socket, str]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, 0), family=family)
     return sock, join_host_port(host, sock.getsockname()[1])
+
+
+def accept_loop(sock: socket.socket, closed: Callable[[], bool], serve: Callable[[socket.socket], None],
+                name: str, threads: list[threading.Thread], lock: threading.Lock) -> None:
+    """Accept connections on ``sock`` (which has a timeout, so that ``closed()`` is looked at)
+    until ``closed()`` or the socket is closed, serving each on a daemon thread called
+    ``name``; ``threads`` (under ``lock``) keeps those threads, finished ones dropped."""
+    while not closed():
+        try:
+            conn, _ = sock.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        t = threading.Thread(target=serve, args=(conn,), name=name, daemon=True)
+        with lock:
+            threads[:] = [x for x in threads if x.is_alive()] + [t]
+        t.start()

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..arrays import is_torch_tensor
 from ..errors import DistError, DistNetworkError, DistTypeError
-from ._net import listen, parse_host_port
+from ._net import accept_loop, listen, parse_host_port
 
 __all__ = ["ChecksumError", "RecoveryServer", "fetch_state", "flatten", "unflatten"]
 
@@ -179,17 +179,8 @@ class RecoveryServer:
         self._thread.start()
 
     def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn,), name="distcomm-ft-recovery-send",
-                                 daemon=True)
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
+        accept_loop(self._sock, lambda: self._closed, self._serve, "distcomm-ft-recovery-send", self._threads,
+                    self._lock)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -270,7 +261,9 @@ class RecoveryServer:
         self._closed = True
         self._sock.close()
         self._thread.join(5.0)
-        for t in self._threads:
+        with self._lock:
+            serving = list(self._threads)
+        for t in serving:
             t.join(5.0)
 
 

@@ -58,7 +58,7 @@ from ..errors import (
     DistStoreError,
     DistTimeoutError,
 )
-from ._net import listen, parse_host_port
+from ._net import accept_loop, listen, parse_host_port
 from .lighthouse_client import LighthouseClient, LighthouseRefusedError, _readline
 
 __all__ = ["ReplicaGroupClient", "ReplicaGroupError", "ReplicaGroupServer", "server_key"]
@@ -127,23 +127,14 @@ class ReplicaGroupServer:
         self._threads: list[threading.Thread] = []
         for target, name in ((self._accept_loop, "accept"), (self._ask_loop, "quorum")):
             t = threading.Thread(target=target, name=f"distcomm-ft-replica-{name}", daemon=True)
+            with self._lock:  # (the accept loop rewrites the list under it)
+                self._threads.append(t)
             t.start()
-            self._threads.append(t)
 
     # -- connections --------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn,), name="distcomm-ft-replica-rank",
-                                 daemon=True)
-            with self._lock:
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
+        accept_loop(self._sock, lambda: self._closed, self._serve, "distcomm-ft-replica-rank", self._threads,
+                    self._lock)
 
     def _serve(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
