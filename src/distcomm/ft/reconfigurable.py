@@ -21,6 +21,7 @@ the group fails it stays failed (``errored()``) until the next
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from ..reduce_op import ReduceOp
 from ..store import PrefixStore
 from .store import AbortableStore, create_store_client
 
-__all__ = ["ReconfigurableProcessGroup", "COLLECTIVES"]
+__all__ = ["ReconfigurableProcessGroup", "COLLECTIVES", "forward_collectives"]
 
 #: The operations every distcomm process group offers, delegated by the ft groups.
 COLLECTIVES = (
@@ -239,14 +240,25 @@ def _check_generation(pg: ProcessGroup, gen: int) -> None:
         )
 
 
-def _delegate(name: str):
-    def method(self, *args: Any, **kwargs: Any):
-        return getattr(self._current(), name)(*args, **kwargs)
+def forward_collectives(cls: type, call: Callable[[Any, str, tuple, dict], Any], where: str, *,
+                        keep_own: bool = False) -> None:
+    """Give ``cls`` a method for each of :data:`COLLECTIVES` that returns ``call(self, name,
+    args, kwargs)``, documented as "``name`` " + ``where``; with ``keep_own`` the methods
+    ``cls`` defines itself stay."""
 
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"``{name}`` on the current configuration's group."
-    return method
+    def forwarder(name: str):
+        def method(self, *args: Any, **kwargs: Any) -> Any:
+            return call(self, name, args, kwargs)
+
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = f"``{name}`` {where}"
+        return method
+
+    for name in COLLECTIVES:
+        if not (keep_own and name in cls.__dict__):
+            setattr(cls, name, forwarder(name))
 
 
-for _name in COLLECTIVES:
-    setattr(ReconfigurableProcessGroup, _name, _delegate(_name))
+forward_collectives(ReconfigurableProcessGroup,
+                    lambda self, name, args, kwargs: getattr(self._current(), name)(*args, **kwargs),
+                    "on the current configuration's group.")

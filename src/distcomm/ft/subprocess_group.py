@@ -37,7 +37,7 @@ from ..deadline import Deadline, Timeout, to_seconds
 from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup
 from ..work import Work
-from .reconfigurable import COLLECTIVES
+from .reconfigurable import forward_collectives
 
 __all__ = ["SubprocessProcessGroup"]
 
@@ -321,16 +321,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _forwarder(name: str):
-    def method(self, *args: Any, **kwargs: Any) -> Work:
-        return self._call(name, args, kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"``{name}`` in the child process."
-    return method
-
-
-for _name in COLLECTIVES:
-    setattr(SubprocessProcessGroup, _name, _forwarder(_name))
+forward_collectives(SubprocessProcessGroup, lambda self, name, args, kwargs: self._call(name, args, kwargs),
+                    "in the child process.")
 
 _ = Deadline  # (kept for symmetry with the other groups' imports)

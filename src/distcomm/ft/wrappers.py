@@ -32,7 +32,7 @@ from ..errors import DistBackendError, DistInputError, DistTypeError
 from ..group import ProcessGroup
 from ..reduce_op import ReduceOp, check_op
 from ..work import DistFuture, Work, completed, torch_value
-from .reconfigurable import COLLECTIVES
+from .reconfigurable import forward_collectives
 
 __all__ = [
     "Optimizer",
@@ -355,16 +355,6 @@ class OptimizerWrapper:
 Optimizer = OptimizerWrapper
 
 
-def _forwarder(name: str):
-    def method(self, *args: Any, **kwargs: Any) -> Work:
-        return self._call(name, args, kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"``{name}`` through this wrapper."
-    return method
-
-
-for _name in COLLECTIVES:
-    for _cls in (ProcessGroupWrapper, ProcessGroupDummy):
-        if _name not in _cls.__dict__:
-            setattr(_cls, _name, _forwarder(_name))
+for _cls in (ProcessGroupWrapper, ProcessGroupDummy):
+    forward_collectives(_cls, lambda self, name, args, kwargs: self._call(name, args, kwargs),
+                        "through this wrapper.", keep_own=True)
