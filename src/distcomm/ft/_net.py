@@ -1,5 +1,5 @@
 """Addresses of the ft servers: ``host:port`` (``[v6]:port``) parsed, formatted, listened on,
-and their connections accepted."""
+and their connections accepted and read line by line."""
 
 from __future__ import annotations
 
@@ -49,3 +49,17 @@ def accept_loop(sock: socket.socket, closed: Callable[[], bool], serve: Callable
         with lock:
             threads[:] = [x for x in threads if x.is_alive()] + [t]
         t.start()
+
+
+def readline(sock: socket.socket, limit: int = 64 << 20) -> bytes:
+    """One line from ``sock``, its newline included (what came before the peer closed, if it
+    did first); ValueError past ``limit`` bytes."""
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > limit:
+            raise ValueError("line too long")
+    return bytes(buf)

@@ -27,7 +27,7 @@ from ..errors import (
     DistNetworkError,
     DistTimeoutError,
 )
-from ._net import parse_host_port
+from ._net import parse_host_port, readline
 
 __all__ = ["LighthouseClient", "LighthouseRefusedError"]
 
@@ -98,7 +98,7 @@ class LighthouseClient:
                    "step": self.step, "commit_id": self.commit_id, **self.info}
             sock.sendall(json.dumps(msg).encode() + b"\n")
             sock.settimeout(max(1.0, deadline.remaining()))
-            reply = json.loads(_readline(sock) or b"{}")
+            reply = json.loads(readline(sock) or b"{}")
         except (OSError, ValueError) as e:
             sock.close()
             if deadline.remaining() > 0 and not self._closed:
@@ -293,16 +293,6 @@ class LighthouseClient:
             rfile.close()
         if sock is not None:
             sock.close()
-
-
-def _readline(sock: socket.socket) -> bytes:
-    buf = bytearray()
-    while not buf.endswith(b"\n"):
-        chunk = sock.recv(1)
-        if not chunk:
-            break
-        buf += chunk
-    return bytes(buf)
 
 
 def info_of_this_process(extra: dict[str, Any] | None = None) -> dict:

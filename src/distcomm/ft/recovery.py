@@ -37,7 +37,7 @@ import numpy as np
 
 from ..arrays import is_torch_tensor
 from ..errors import DistError, DistNetworkError, DistTypeError
-from ._net import accept_loop, listen, parse_host_port
+from ._net import accept_loop, listen, parse_host_port, readline
 
 __all__ = ["ChecksumError", "RecoveryServer", "fetch_state", "flatten", "unflatten"]
 
@@ -186,7 +186,7 @@ class RecoveryServer:
         with conn:
             try:
                 conn.settimeout(30.0)
-                req = json.loads(_readline(conn))
+                req = json.loads(readline(conn))
                 step, commit_id = int(req["step"]), str(req.get("commit_id", ""))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.info("a state request could not be read: %s", e)
@@ -283,7 +283,7 @@ def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.n
         try:
             conn.settimeout(timeout)
             conn.sendall(json.dumps({"step": step, "commit_id": commit_id}).encode() + b"\n")
-            head = json.loads(_readline(conn) or b"{}")
+            head = json.loads(readline(conn) or b"{}")
             if not head.get("ok"):
                 raise DistNetworkError(f"the peer at {address} cannot send its state: "
                                        f"{head.get('error', 'no answer')}", addr=address)
@@ -322,15 +322,3 @@ def _recv_into(conn: socket.socket, view: memoryview, address: str) -> None:
         if n == 0:
             raise DistNetworkError(f"the peer at {address} closed the connection mid-transfer", addr=address)
         got += n
-
-
-def _readline(sock: socket.socket, limit: int = 64 << 20) -> bytes:
-    buf = bytearray()
-    while not buf.endswith(b"\n"):
-        chunk = sock.recv(1)
-        if not chunk:
-            break
-        buf += chunk
-        if len(buf) > limit:
-            raise ValueError("line too long")
-    return bytes(buf)

@@ -58,8 +58,8 @@ from ..errors import (
     DistStoreError,
     DistTimeoutError,
 )
-from ._net import accept_loop, listen, parse_host_port
-from .lighthouse_client import LighthouseClient, LighthouseRefusedError, _readline
+from ._net import accept_loop, listen, parse_host_port, readline
+from .lighthouse_client import LighthouseClient, LighthouseRefusedError
 
 __all__ = ["ReplicaGroupClient", "ReplicaGroupError", "ReplicaGroupServer", "server_key"]
 
@@ -377,7 +377,7 @@ class ReplicaGroupClient:
                     sock.sendall(json.dumps({"op": "hello", "rank": self.rank, "world_size": self.world_size,
                                              "replica_id": self.replica_id, "pid": os.getpid()}).encode()
                                  + b"\n")
-                    reply = json.loads(_readline(sock) or b"{}")
+                    reply = json.loads(readline(sock) or b"{}")
                 except (OSError, ValueError) as e:
                     sock.close()
                     last = f"{addr}: {e}"
