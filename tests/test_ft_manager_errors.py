@@ -23,7 +23,8 @@ from distcomm.ft import (
     StateDictError,
     SubprocessProcessGroup,
 )
-from distcomm.ft.recovery import DIGEST, RecoveryServer, _readline, fetch_state
+from distcomm.ft._net import readline
+from distcomm.ft.recovery import DIGEST, RecoveryServer, fetch_state
 from distcomm.testing import run_ranks
 
 QUIET = {"DISTCOMM_FLIGHT_RECORDER_DUMP_ON_FAILURE": "0"}
@@ -57,7 +58,7 @@ def test_a_commit_waits_for_a_transfer_of_the_state_in_flight():
         host, port = m._recovery.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(json.dumps({"step": 1, "commit_id": m.commit_id}).encode() + b"\n")
-            head = json.loads(_readline(sock))
+            head = json.loads(readline(sock))
             done = threading.Event()
 
             def commit_and_change() -> None:
@@ -245,7 +246,7 @@ def test_any_failure_of_one_peer_makes_recovery_try_the_next():
     def answer_nonsense() -> None:
         conn, _ = bad.accept()
         with conn:
-            _readline(conn)
+            readline(conn)
             head = {"ok": True, "step": 4, "commit_id": "c", "tree": {"w": {"$array": 0}},
                     "arrays": [{"dtype": "no-such-dtype", "shape": [2], "nbytes": 16}], "nbytes": 16}
             conn.sendall(json.dumps(head).encode() + b"\n")
