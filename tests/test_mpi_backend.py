@@ -374,6 +374,7 @@ def test_bench_mpi_runs_both_in_one_job(tmp_path):
                           capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "target: 8 B" in proc.stdout and "load average" in proc.stdout, proc.stdout
+    assert "\x00" not in proc.stdout  # (Open MPI's version string ends with one)
     res = json.loads(out.read_text())
     assert [s["bytes"] for s in res["sizes"]] == [8, 65536]
     for s in res["sizes"]:

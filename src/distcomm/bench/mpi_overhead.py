@@ -142,8 +142,14 @@ def _rank_main(out_path: str, config: dict[str, Any]) -> None:
         dist.destroy_process_group()
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"sizes": results, "mpi_library": MPI.Get_library_version().split("\n")[0].strip(),
+            json.dump({"sizes": results, "mpi_library": _first_line(MPI.Get_library_version()),
                        "thread_level": MPI.Query_thread()}, f)
+
+
+def _first_line(version: str) -> str:
+    """The first line of an MPI library's version string, without the NUL byte Open MPI
+    ends it with (it would make a saved report a binary file)."""
+    return version.replace("\x00", "").split("\n")[0].strip()
 
 
 # -- main process --------------------------------------------------------------------------------
