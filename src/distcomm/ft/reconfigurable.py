@@ -240,11 +240,15 @@ def _check_generation(pg: ProcessGroup, gen: int) -> None:
         )
 
 
-def forward_collectives(cls: type, call: Callable[[Any, str, tuple, dict], Any], where: str, *,
+def _by_call(self: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    return self._call(name, args, kwargs)
+
+
+def forward_collectives(cls: type, where: str, call: Callable[[Any, str, tuple, dict], Any] = _by_call, *,
                         keep_own: bool = False) -> None:
     """Give ``cls`` a method for each of :data:`COLLECTIVES` that returns ``call(self, name,
-    args, kwargs)``, documented as "``name`` " + ``where``; with ``keep_own`` the methods
-    ``cls`` defines itself stay."""
+    args, kwargs)`` (by default ``self._call(name, args, kwargs)``), documented as "``name`` "
+    + ``where``; with ``keep_own`` the methods ``cls`` defines itself stay."""
 
     def forwarder(name: str):
         def method(self, *args: Any, **kwargs: Any) -> Any:
@@ -259,6 +263,5 @@ def forward_collectives(cls: type, call: Callable[[Any, str, tuple, dict], Any],
             setattr(cls, name, forwarder(name))
 
 
-forward_collectives(ReconfigurableProcessGroup,
-                    lambda self, name, args, kwargs: getattr(self._current(), name)(*args, **kwargs),
-                    "on the current configuration's group.")
+forward_collectives(ReconfigurableProcessGroup, "on the current configuration's group.",
+                    lambda self, name, args, kwargs: getattr(self._current(), name)(*args, **kwargs))

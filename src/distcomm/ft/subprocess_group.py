@@ -321,7 +321,6 @@ def _die_with_parent() -> None:
         pass
 
 
-forward_collectives(SubprocessProcessGroup, lambda self, name, args, kwargs: self._call(name, args, kwargs),
-                    "in the child process.")
+forward_collectives(SubprocessProcessGroup, "in the child process.")
 
 _ = Deadline  # (kept for symmetry with the other groups' imports)

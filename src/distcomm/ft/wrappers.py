@@ -356,5 +356,4 @@ Optimizer = OptimizerWrapper
 
 
 for _cls in (ProcessGroupWrapper, ProcessGroupDummy):
-    forward_collectives(_cls, lambda self, name, args, kwargs: self._call(name, args, kwargs),
-                        "through this wrapper.", keep_own=True)
+    forward_collectives(_cls, "through this wrapper.", keep_own=True)
