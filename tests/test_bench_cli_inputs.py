@@ -55,6 +55,54 @@ def test_the_cli_refuses_in_one_line_too(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("distcomm bench ft: error: argument ")
 
 
+def test_the_cli_names_a_stray_flag_and_the_commands(capsys):
+    for argv, says in ((["--bogus"], "unrecognized arguments: --bogus; expected a command: "),
+                       ([], "expected a command: ")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.startswith("usage: distcomm "), err
+        assert err.strip().splitlines()[-1] == (
+            f"distcomm: error: {says}store, info, bench, trace, run, lighthouse"), err
+
+
+#: Counts of every benchmark (whole numbers), and real numbers of some, with what a bad value gets.
+COUNTS = [
+    ("collectives", "-n", "2.5"), ("collectives", "-n", "0"), ("collectives", "--repeat", "0"),
+    ("collectives", "--rss-calls", "1e3"), ("store", "--clients", "1.5"), ("store", "--iters", "0"),
+    ("store", "--repeat", "-2"), ("store", "--threads-per-proc", "x"), ("launch", "--nproc", "2.5"),
+    ("launch", "--repeat", "0"), ("launch", "--kills", "0"), ("debug", "-n", "2.5"),
+    ("debug", "--bytes", "0"), ("debug", "--iters", "0"), ("debug", "--repeat", "1.0"),
+    ("mpi", "-n", "2.5"), ("mpi", "--repeat", "0"), ("ddp", "--ranks", "2.5"), ("ddp", "--steps", "0"),
+    ("ddp", "--batch", "0"), ("ddp", "--threads", "1.5"), ("ddp", "--comm-repeat", "0"),
+    ("ft", "--rounds", "2.5"), ("ft", "--replicas", "0"),
+]
+REALS = [
+    ("collectives", "--timeout", "0", "expected a positive finite number, got '0'"),
+    ("collectives", "--timeout", "x", "expected a number, got 'x'"),
+    ("store", "--duration", "inf", "expected a positive finite number, got 'inf'"),
+    ("ddp", "--params", "-1", "expected a positive finite number, got '-1'"),
+    # counts that may be zero
+    ("collectives", "--warmup", "2.5", "expected an integer >= 0, got '2.5'"),
+    ("collectives", "--warmup", "-1", "expected an integer >= 0, got '-1'"),
+    ("ddp", "--warmup", "x", "expected an integer >= 0, got 'x'"),
+]
+
+
+def test_counts_want_a_positive_integer_and_real_numbers_a_positive_number(capsys):
+    wrong = []
+    for name, flag, value, says in [*((*c, f"expected a positive integer, got {c[2]!r}") for c in COUNTS), *REALS]:
+        with pytest.raises(SystemExit) as info:
+            main(["bench", name, flag, value])
+        err = capsys.readouterr().err
+        line = err.strip().splitlines()[-1]
+        named = "-n/--nproc" if flag == "-n" else flag
+        if info.value.code != 2 or "Traceback" in err or not line.endswith(f"argument {named}: {says}"):
+            wrong.append(f"bench {name} {flag} {value}: {line}")
+    assert not wrong, "\n".join(wrong)
+
+
 def one_line(text: str) -> str:
     lines = text.strip().splitlines()
     assert len(lines) == 1, text

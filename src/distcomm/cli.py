@@ -29,7 +29,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="distcomm", description="Collective communication for Python processes."
     )
     parser.add_argument("--version", action="version", version=f"distcomm {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # not required: main says which command is missing (argparse would not name a stray flag)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module, _parser=p)
@@ -48,7 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distcomm`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
-    args, extra = build_parser(command).parse_known_args(argv)
+    parser = build_parser(command)
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:  # only flags: `distcomm --bogus`, or nothing at all
+        wrong = f"unrecognized arguments: {' '.join(extra)}; " if extra else ""
+        parser.error(f"{wrong}expected a command: {', '.join(COMMANDS)}")
     if extra:  # said by the subcommand's parser, with its usage (argparse says the top one's)
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     module = importlib.import_module(args._module)

@@ -13,18 +13,32 @@ from typing import Any
 
 
 def positive(kind: type) -> Callable[[str], Any]:
-    """An argparse type: ``kind(text)``, which must be > 0."""
+    """An argparse type: ``kind(text)``, which must be > 0 (and finite); with ``int`` a
+    count, so a whole number."""
+    what = "a positive integer" if kind is int else "a positive finite number"
 
     def parse(text: str) -> Any:
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {what if kind is int else 'a number'}, got {text!r}") from None
         if not v > 0 or not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return v
 
     return parse
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0 (a count that may be zero)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
 
 
 def add_positive(parser: argparse.ArgumentParser, *flags: str, kind: type, default: Any, help: str) -> None:

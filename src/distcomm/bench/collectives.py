@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import add_json_option, add_positive, host_facts, reason, run_bench, write_json
+from ._args import add_json_option, add_positive, count, host_facts, reason, run_bench, write_json
 from ._coll_mpi import MpiJob, mpi_missing
 from ._coll_ops import (
     DEFAULT_OPS,
@@ -598,7 +598,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=_iters, default=(None, 1.0), metavar="auto|N|xF",
                         help="timed calls per size: auto (2000 at 8 B to 4 at 64 MiB), N for every size, "
                              "or xF to scale auto (default: auto)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: iters/10, 2-50)")
+    parser.add_argument("--warmup", type=count, default=None, help="untimed calls first (default: iters/10, 2-50)")
     parser.add_argument("--sync", action="store_true",
                         help="the library's barrier (untimed) before every timed call, as the OSU "
                              "benchmarks do; by default calls follow each other, so a rank with more "

@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from ._args import add_json_option, emit, positive
+from ._args import add_json_option, count, emit, positive
 
 #: The DDP target: distcomm's step at most this times gloo's (same run).
 TARGET_RATIO = 0.8
@@ -60,17 +60,6 @@ def _backends(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"expected distinct backends, got {text!r}")
     return names
-
-
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
 
 
 # -- rank side ---------------------------------------------------------------------------------
@@ -254,7 +243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{LAYER_MILLIONS:.2f} M each, at least one (default: 25)")
     parser.add_argument("--ranks", type=positive(int), default=2, help="processes (default: 2)")
     parser.add_argument("--steps", type=positive(int), default=20, help="timed steps per backend (default: 20)")
-    parser.add_argument("--warmup", type=_count, default=3, help="untimed steps first (default: 3)")
+    parser.add_argument("--warmup", type=count, default=3, help="untimed steps first (default: 3)")
     parser.add_argument("--batch", type=positive(int), default=16, help="samples per rank and step (default: 16)")
     parser.add_argument("--threads", type=positive(int), default=1, help="torch threads per rank (default: 1)")
     parser.add_argument("--backends", type=_backends, default=list(BACKENDS),
