@@ -429,7 +429,25 @@ def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
         (["--standalone", "--nnodes", "2", "p.py"], "--standalone runs one node"),
         (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
         (["--no-python", "no-such-program-here"], "'no-such-program-here' not found"),
-        (["--master-port", "70000", "p.py"], "--master-port 70000"),
+        (["--master-port", "70000", "p.py"], "--master-port 70000: expected a port in 0..65535 (0: a free port, "
+                                              "one node only)"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "::1", "p.py"],
+         "--rdzv-endpoint '::1': an IPv6 address goes in brackets; expected [HOST] or [HOST]:PORT, e.g. [::1]:29400"),
+        (["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "::1:29501", "p.py"],
+         "an IPv6 address goes in brackets; expected [HOST]:PORT, e.g. [::1]:29501"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "[::1", "p.py"],
+         "--rdzv-endpoint '[::1': the '[' is not closed; expected [HOST] or [HOST]:PORT"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "localhost:1:2", "p.py"], "more than one ':'; expected HOST or HOST:PORT"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:0", "p.py"],
+         "--rdzv-endpoint '127.0.0.1:0': expected a port in 1..65535, got 0 (the other launchers must know it)"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:99999", "p.py"],
+         "--rdzv-endpoint '127.0.0.1:99999': expected a port in 1..65535, got 99999"),
+        (["-t", "5:3", "p.py"], "--tee '5:3': no local rank 5 here; expected local rank 0 (--nproc-per-node 1)"),
+        (["--nproc-per-node", "2", "-r", "0:1,-1:2,2:3", "p.py"],
+         "--redirects '0:1,-1:2,2:3': no local rank -1, 2 here; expected local ranks 0..1 (--nproc-per-node 2)"),
+        (["--local-ranks-filter", "5", "p.py"],
+         "--local-ranks-filter '5': no local rank 5 here; expected local rank 0 (--nproc-per-node 1)"),
+        (["--no-python", "/tmp"], "program '/tmp' is a directory; expected an executable file"),
         (["--on-worker-failure", "continue", "--max-restarts", "1", "p.py"], "drop --max-restarts"),
         (["--on-worker-failure", "ignore", "p.py"], "invalid choice: 'ignore'"),
         (["--log-dir", "p.py", "p.py"], "--log-dir 'p.py' is a file; expected a directory"),
@@ -449,6 +467,39 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
         lines = out.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("distcomm run: error: ")
         assert message in lines[0]
+
+
+def test_what_the_bad_input_checks_let_through(tmp_path):
+    """The other side of the checks above: a bracketed IPv6 endpoint, port 0 on one node (a
+    free port, as without --master-port), per-rank -t/-r of ranks that exist; and with
+    --nproc-per-node auto, a refused rank names the count auto gave."""
+    import argparse
+
+    from distcomm.launch.args import UsageError, add_arguments, to_config
+
+    prog = write(tmp_path, "x.py", "")
+
+    def config(*argv: str):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return to_config(parser.parse_args([*argv, prog]))
+
+    cfg = config("--nnodes", "1:2", "--rdzv-endpoint", "[::1]:29501")
+    assert (cfg.store_host, cfg.store_port) == ("::1", 29501)
+    cfg = config("--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1")  # a bare host: torchrun's port
+    assert (cfg.store_host, cfg.store_port) == ("127.0.0.1", 29400)
+    cfg = config("--master-port", "0")
+    assert (cfg.store_port, cfg.host_store) == (0, "yes")
+    with pytest.raises(UsageError, match="--master-port 0 needs a single node"):
+        config("--nnodes", "2", "--master-port", "0")
+    cfg = config("--nproc-per-node", "2", "-t", "1:3", "-r", "0:1")
+    assert (cfg.tee, cfg.redirects) == ({1: 3}, {0: 1})
+    n = len(os.sched_getaffinity(0))
+    with pytest.raises(UsageError) as e:
+        config("--nproc-per-node", "auto", "--tee", f"{n}:3")
+    assert str(e.value).endswith(f"no local rank {n} here; expected "
+                                 f"{'local rank 0' if n == 1 else f'local ranks 0..{n - 1}'} "
+                                 f"(--nproc-per-node auto: {n})")
 
 
 def test_a_port_in_use_is_one_line(tmp_path):

@@ -14,6 +14,10 @@ gave up, or wants to join.
   and exits with status 1.
 * SIGINT/SIGTERM/SIGHUP/SIGQUIT to the launcher: forwarded to every worker
   group, SIGKILL after the grace (at once on a second signal); exit status 128+signal.
+  The launcher hosting the job's store keeps it up until the other nodes read why
+  (at most :data:`ABORT_LINGER`), so they stop their workers too.
+* SIGUSR1, unless ``--signals-to-handle`` names it: passed on to every worker (not to
+  what the workers started), and the job goes on: distcomm's flight recorder dumps.
 * All workers exit 0: the launcher hosting the store waits for the other
   nodes to finish (exit barrier), then exits 0.
 """
@@ -42,8 +46,8 @@ from ..errors import (
 from ..store import TCPStore, auth
 from ..transport.tcp_wire import HOST_VAR
 from .args import RunConfig
-from .output import LineCopy, StreamSink
-from .rdzv import Membership, NodeRendezvous, RendezvousFailed
+from .output import LineCopy, StreamSink, end_open_lines
+from .rdzv import NOTE_AFTER, NOTE_EVERY, Membership, NodeRendezvous, RendezvousFailed
 from .workers import Worker, WorkerSpec, describe_exit, signal_name, start_worker
 
 __all__ = ["Agent", "LaunchError"]
@@ -86,6 +90,7 @@ class _Interrupted(BaseException):
 
 
 def _say(message: str) -> None:
+    end_open_lines()  # (a worker's unfinished line shown on the console)
     try:
         sys.stderr.write(f"distcomm run: {message}\n")
         sys.stderr.flush()
@@ -108,6 +113,7 @@ class Agent:
         self.restarts = 0
         self.attempt = 0
         self.signum: int | None = None
+        self.signals = 0  # how many stopping signals arrived
         self.raise_on_signal = True
         self.store_lost = False
         self.store_silent_since: float | None = None  # when store calls began to get no answer
@@ -121,14 +127,27 @@ class Agent:
     def _on_signal(self, signum: int, _frame: object) -> None:
         first = self.signum is None
         self.signum = signum
+        self.signals += 1
         if not first:  # a second signal: no more grace
             for w in self.workers:
                 w.signal_group(signal.SIGKILL)
         if self.raise_on_signal and first:
             raise _Interrupted(signum)
 
+    def _pass_on(self, signum: int, _frame: object) -> None:
+        """Give ``signum`` to every running worker (its process only; unreaped, so the pid
+        is still its own)."""
+        for w in self.workers:
+            if w.returncode is None:
+                try:
+                    os.kill(w.pid, signum)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
     def _install_signals(self) -> dict:
         old = {s: signal.signal(s, self._on_signal) for s in self.cfg.signals}
+        if signal.SIGUSR1 not in old:
+            old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._pass_on)
         self.wake_w.setblocking(False)
         self.wake_r.setblocking(False)
         old["wakeup"] = signal.set_wakeup_fd(self.wake_w.fileno(), warn_on_full_buffer=False)
@@ -197,11 +216,17 @@ class Agent:
         addr = f"{cfg.store_host}:{cfg.store_port}"
         timeout = cfg.join_timeout
         if cfg.host_store in ("yes", "try"):
-            try:
-                self.store = TCPStore(cfg.store_host, cfg.store_port, None, True, timeout,
-                                      wait_for_workers=False, auth_token=self.auth_token)
+            try:  # (our own client reaches a store of ours at once, if the address is ours)
+                self.store = TCPStore(cfg.store_host, cfg.store_port, None, True,
+                                      min(timeout, LOCAL_STORE_ANSWER), wait_for_workers=False,
+                                      auth_token=self.auth_token)
+                self.store.set_timeout(timeout)
                 self.hosting = True
                 return
+            except DistConnectTimeoutError as e:
+                raise LaunchError(
+                    f"cannot host the job's store at {cfg.store_host}: this launcher {e}; "
+                    "--master-addr (or --rdzv-endpoint) must be an address of this machine") from None
             except DistNetworkError as e:
                 if cfg.host_store == "yes":
                     raise LaunchError(
@@ -210,23 +235,33 @@ class Agent:
                     ) from None
         # Another launcher hosts it.  Here already (we could not bind): it must answer soon.
         local = cfg.host_store == "try"
-        try:
-            self.store = TCPStore(cfg.store_host, cfg.store_port, None, False,
-                                  LOCAL_STORE_ANSWER if local else timeout, auth_token=self.auth_token)
-            self.store.set_timeout(timeout)
-        except auth.DistAuthenticationError as e:  # a distcomm store, with another token
-            raise LaunchError(f"cannot join the job's store: {e}") from None
-        except DistProtocolError:
-            raise LaunchError(f"{addr} is in use by something that is not a distcomm store") from None
-        except DistConnectTimeoutError as e:
-            if local:
-                raise LaunchError(f"{addr} is in use by something that is not a distcomm store "
-                                  "(it does not answer)") from None
-            raise LaunchError(
-                f"cannot reach the job's store at {addr} within {timeout:g} s ({_reason(e)}): "
-                "check --master-addr (or --rdzv-endpoint) and that the launcher hosting it started") from None
-        except DistError as e:
-            raise LaunchError(f"cannot reach the job's store at {addr}: {_reason(e)}") from None
+        deadline = Deadline(LOCAL_STORE_ANSWER if local else timeout)
+        wait = NOTE_AFTER
+        while True:
+            try:
+                self.store = TCPStore(cfg.store_host, cfg.store_port, None, False,
+                                      min(wait, deadline.remaining()), auth_token=self.auth_token)
+                self.store.set_timeout(timeout)
+                return
+            except auth.DistAuthenticationError as e:  # a distcomm store, with another token
+                raise LaunchError(f"cannot join the job's store: {e}") from None
+            except DistProtocolError:
+                raise LaunchError(f"{addr} is in use by something that is not a distcomm store") from None
+            except DistConnectTimeoutError as e:
+                if local:
+                    raise LaunchError(f"{addr} is in use by something that is not a distcomm store "
+                                      "(it does not answer)") from None
+                if deadline.expired():
+                    raise LaunchError(
+                        f"cannot reach the job's store at {addr} within {timeout:g} s ({_reason(e)}): "
+                        "check --master-addr (or --rdzv-endpoint) and that the launcher hosting it "
+                        "started") from None
+                _say(f"waiting for the job's store at {addr} ({_reason(e)}; the launcher with "
+                     "--node-rank 0, or on the --rdzv-endpoint host, starts it); giving up in "
+                     f"{deadline.remaining():.0f} s (join_timeout, set with --rdzv-conf)")
+                wait = NOTE_EVERY
+            except DistError as e:
+                raise LaunchError(f"cannot reach the job's store at {addr}: {_reason(e)}") from None
 
     # -- workers -------------------------------------------------------------
     def _worker_env(self, m: Membership, local_rank: int) -> dict[str, str]:
@@ -308,8 +343,9 @@ class Agent:
         for i, (name, bit, console) in enumerate((("stdout", 1, sys.stdout), ("stderr", 2, sys.stderr))):
             log = self._log_file(local_rank, name, tee | red, bit)
             to_console = shown and not (red & bit)
-            sinks.append(StreamSink(prefix, console.buffer if to_console else None, log,
-                                    self._duplicates(i, name), rank))
+            # (sys.stdout is None when the launcher started with its stdout closed)
+            shown_to = console.buffer if to_console and console is not None else None
+            sinks.append(StreamSink(prefix, shown_to, log, self._duplicates(i, name), rank))
         return sinks[0], sinks[1]
 
     def _start_workers(self, m: Membership) -> None:
@@ -405,7 +441,7 @@ class Agent:
             wait = cfg.monitor_interval if (multi and not self.store_lost) or poll_all else None
             self._pump(wait if wait is not None else 3600.0)
             if self.signum is not None:
-                return self._interrupted()
+                return self._interrupted(m)
             failed = next((w for w in self.workers if w.returncode not in (None, 0) and not w.lost), None)
             if failed is not None:
                 if cfg.on_worker_failure == "continue" and any(w.returncode is None for w in self.workers):
@@ -480,9 +516,10 @@ class Agent:
                      "restarting the workers")
         return outcome
 
-    def _interrupted(self) -> int:
+    def _interrupted(self, m: Membership) -> int:
         sig = self.signum or signal.SIGTERM
-        _say(f"got {signal_name(sig)}; stopping {len(self.workers)} workers")
+        live = sum(1 for w in self.workers if w.poll() is None)
+        _say(f"got {signal_name(sig)}; stopping {live} worker{'s' if live != 1 else ''}")
         tell = None
         if self.cfg.nnodes[1] > 1:  # before the workers' exits make the other nodes give up
             message = f"a launcher on {socket.gethostname()} got {signal_name(sig)}"
@@ -491,6 +528,8 @@ class Agent:
                 self._store(lambda r: r.abort(r.current_round(), message), None)
 
         self._stop_workers(sig, self.cfg.shutdown_timeout, tell)
+        if tell is not None:
+            self._linger_for_abort(m)
         return 128 + sig
 
     def _lost(self, w: Worker) -> None:
@@ -512,7 +551,10 @@ class Agent:
         # Ranks that had left (code 0) before: a peer waiting for them waits in vain.
         gone = [x.spec.rank for x in self.workers if x is not w and x.returncode == 0 and not x.stopped_by_us]
         self._release(w)  # its last output first, then our report
-        _say(f"{what}; stopping the other {others} worker{'s' if others != 1 else ''}" if others else what)
+        if others:
+            _say(f"{what}; stopping the other {others} worker{'s' if others != 1 else ''}")
+        elif self.restarts < self.cfg.max_restarts or self.cfg.nnodes[1] > 1:
+            _say(what)  # (else the report below says it)
         if code < 0:  # killed: it said nothing; the others may say what they saw of it
             self._await_exits([x for x in self.workers if x.returncode is None], NOTICE_GRACE)
         self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
@@ -549,7 +591,7 @@ class Agent:
         if not self.hosting:
             return
         deadline = Deadline(ABORT_LINGER)
-        while not deadline.expired() and not self.store_lost:
+        while not deadline.expired() and not self.store_lost and self.signals < 2:
             if self._store(lambda r: r.saw_abort(m.round, seen=False), m.nnodes) >= m.nnodes - 1:
                 return
             time.sleep(min(self.cfg.monitor_interval, 0.1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
+import ipaddress
 import math
 import os
 import shutil
@@ -18,6 +19,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .output import parse_std_spec
@@ -151,27 +153,60 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def _endpoint(text: str, default_port: int | None) -> tuple[str, int]:
-    """``HOST[:PORT]`` of ``--rdzv-endpoint`` (``[v6]:PORT`` too), checked and resolvable;
-    without a port, ``default_port`` (torchrun's 29400 for c10d), or an error if None."""
+    """``HOST[:PORT]`` of ``--rdzv-endpoint`` (an IPv6 address in brackets: ``[::1]:PORT``),
+    checked and resolvable; without a port, ``default_port`` (torchrun's 29400 for c10d), or
+    an error if None."""
     text = text.strip()
-    if text.startswith("[") and text.endswith("]") or ":" not in text:
-        host, port_text = text, None  # no port: "host", "[::1]"
+    what = f"--rdzv-endpoint {text!r}"
+    need = "HOST:PORT" if default_port is None else "HOST or HOST:PORT"
+    port_text: str | None
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        need = need.replace("HOST", "[HOST]")
+        if not closed:
+            raise UsageError(f"{what}: the '[' is not closed; expected {need}")
+        if rest and not rest.startswith(":"):
+            raise UsageError(f"{what}: {rest!r} after ']'; expected {need}")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") > 1:  # "::1", "fe80::1:8080": the port cannot be told from the address
+        example = _bracketed(text, default_port or DEFAULT_MASTER_PORT)
+        if example is None:
+            raise UsageError(f"{what}: more than one ':'; expected {need} "
+                             f"(an IPv6 address in brackets: [::1]:{default_port or DEFAULT_MASTER_PORT})")
+        raise UsageError(f"{what}: an IPv6 address goes in brackets; expected "
+                         f"{need.replace('HOST', '[HOST]')}, e.g. {example}")
     else:
-        host, _, port_text = text.rpartition(":")
-    host = host.strip("[]")
+        host, sep, port_text = text.partition(":")
+        port_text = port_text if sep else None
+    if not host:
+        raise UsageError(f"{what}: no host; expected {need}")
     if port_text is None and default_port is not None:
         port = default_port
     else:
         try:
             port = int(port_text or "")
         except ValueError:
-            need = "HOST:PORT" if default_port is None else "HOST or HOST:PORT"
-            raise UsageError(f"--rdzv-endpoint {text!r}: expected {need}") from None
-    _port(port, "--rdzv-endpoint port")
-    if not host or port == 0:
-        raise UsageError(f"--rdzv-endpoint {text!r}: expected HOST:PORT")
+            raise UsageError(f"{what}: expected {need}") from None
+        if not 1 <= port <= 65535:
+            why = " (the other launchers must know it)" if port == 0 else ""
+            raise UsageError(f"{what}: expected a port in 1..65535, got {port}{why}")
     _resolve(host, "--rdzv-endpoint host")
     return host, port
+
+
+def _bracketed(text: str, port: int) -> str | None:
+    """``text`` (an IPv6 address, perhaps followed by ``:PORT``) as ``[ADDRESS]:PORT``, or
+    None if it holds no IPv6 address."""
+    if ":" not in text.partition("%")[2]:  # (a zone, after %, holds no ':')
+        try:
+            return f"[{ipaddress.IPv6Address(text)}]:{port}"  # "::1": the whole text is the address
+        except ValueError:
+            pass
+    host, _, tail = text.rpartition(":")
+    try:
+        return f"[{ipaddress.IPv6Address(host)}]:{int(tail)}"  # "::1:29500" (29500 is no IPv6 group)
+    except ValueError:
+        return None
 
 
 def _nproc(text: str) -> int:
@@ -262,6 +297,8 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 def _not_runnable(program: str) -> str:
     """Why ``--no-python PROGRAM`` cannot be started, in one line."""
+    if os.path.isdir(program):
+        return f"program {program!r} is a directory; expected an executable file"
     if os.path.isfile(program) and not os.access(program, os.X_OK):
         return (f"program {program!r} is not executable (chmod +x it; for a Python script "
                 "drop --no-python)")
@@ -286,8 +323,20 @@ def _module_found(top: str) -> bool:
 
 
 def _port(value: int | None, flag: str) -> None:
+    """``--master-port``: 0..65535, 0 asking for a free port (one node only, checked later)."""
     if value is not None and not 0 <= value <= 65535:
-        raise UsageError(f"{flag} {value}: expected a port in [0, 65535]")
+        raise UsageError(f"{flag} {value}: expected a port in 0..65535 (0: a free port, one node only)")
+
+
+def _check_local_ranks(flag: str, text: str, ranks: Iterable[int | None], nproc: int, nproc_text: str) -> None:
+    """Refuse ``ranks`` (None, meaning every local rank, is skipped) that are no local rank of
+    this node's ``nproc`` workers, in one line naming them and the valid ones."""
+    bad = sorted(r for r in ranks if r is not None and not 0 <= r < nproc)
+    if bad:
+        valid = "local rank 0" if nproc == 1 else f"local ranks 0..{nproc - 1}"
+        given = nproc_text if nproc_text == str(nproc) else f"{nproc_text}: {nproc}"
+        raise UsageError(f"{flag} {text!r}: no local rank {', '.join(map(str, bad))} here; "
+                         f"expected {valid} (--nproc-per-node {given})")
 
 
 def to_config(args: argparse.Namespace) -> RunConfig:
@@ -317,16 +366,16 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         redirects = parse_std_spec(args.redirects, "--redirects")
     except ValueError as e:
         raise UsageError(str(e)) from None
+    nproc_text = str(args.nproc_per_node)
+    _check_local_ranks("--tee", args.tee, tee, nproc, nproc_text)
+    _check_local_ranks("--redirects", args.redirects, redirects, nproc, nproc_text)
     try:
         ranks_filter = {int(r) for r in args.local_ranks_filter.split(",")} \
             if args.local_ranks_filter else None
     except ValueError:
         raise UsageError(f"--local-ranks-filter {args.local_ranks_filter!r}: expected 0,1,...") from None
-    if ranks_filter is not None and not ranks_filter <= set(range(nproc)):
-        bad = sorted(ranks_filter - set(range(nproc)))
-        raise UsageError(f"--local-ranks-filter {args.local_ranks_filter!r}: no local rank "
-                         f"{', '.join(map(str, bad))} here; expected local ranks 0..{nproc - 1} "
-                         f"(--nproc-per-node {nproc})")
+    if ranks_filter is not None:
+        _check_local_ranks("--local-ranks-filter", args.local_ranks_filter, ranks_filter, nproc, nproc_text)
     node_rank: int | None = args.node_rank if args.node_rank is not None else 0
     host_store = "no"
     if args.standalone:
@@ -346,8 +395,8 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         else:
             host = args.master_addr
             _resolve(host, "--master-addr")
-            if nnodes[0] == 1 and args.master_port is None:
-                port = 0  # one node: a free port, as --standalone
+            if nnodes[0] == 1 and not args.master_port:
+                port = 0  # one node, no port or 0: a free port, as --standalone
             else:
                 port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
                 if port == 0:

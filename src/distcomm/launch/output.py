@@ -4,24 +4,32 @@ Each stream of each worker (stdout, stderr) has a :class:`StreamSink`.  The
 launcher feeds it whatever it read from the pipe; complete lines go to the
 console with the ``[rankN]:`` prefix, or without a prefix everything goes to the
 console as it comes (a progress bar's ``\r`` updates, a prompt without a
-newline), and raw to the log file when teeing or redirecting.  A prefixed
-unfinished line that nothing follows for :data:`PARTIAL_DELAY` seconds (a
-prompt: ``(Pdb) ``, ``input("name? ")``) is shown as far as it goes, and the
-rest of that line follows without a second prefix.  The last lines are kept
-for the failure report.
+newline), and raw to the log file when teeing or redirecting.
+
+A prefixed unfinished line that nothing follows for :data:`PARTIAL_DELAY`
+seconds (a prompt: ``(Pdb) ``, ``input("name? ")``), or that grows past
+:data:`MAX_LINE` bytes, is shown as far as it goes; the rest of that line
+follows without a second prefix and without a line break.  Such a line is
+*open* on the console until it ends: if another sink writes to the same
+console (another rank, or the same rank's other stream when both go to one
+terminal or file) the open line is ended there first, and its rest comes later
+as a line of its own, prefixed again.  So every console line holds the text of
+one worker stream.  The last lines are kept for the failure report.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import time
 from typing import BinaryIO
 
-__all__ = ["LineCopy", "StreamSink", "parse_std_spec"]
+__all__ = ["LineCopy", "StreamSink", "end_open_lines", "parse_std_spec"]
 
 #: Lines of a worker's stderr kept for the failure report.
 TAIL_LINES = 15
-#: A line longer than this is written out without waiting for its end.
+#: Bytes of an unfinished line held back at most: more are shown without waiting for its end.
+#: Also the most kept of a line for the failure report and the filtered copy.
 MAX_LINE = 64 * 1024
 #: Seconds a prefixed unfinished line waits for its end before it is shown as it is.
 PARTIAL_DELAY = 0.2
@@ -45,6 +53,30 @@ class LineCopy:
         self.file.close()
 
 
+#: Console (see :func:`_console_id`) -> the sink whose shown line there has not ended yet.
+_open_lines: dict[object, StreamSink] = {}
+
+
+def _console_id(file: BinaryIO | None) -> object:
+    """What ``file`` writes to: the launcher's stdout and stderr on one terminal,
+    pipe or file are one console."""
+    if file is None:
+        return None
+    try:
+        st = os.fstat(file.fileno())
+    except (OSError, ValueError):  # not a real file
+        return id(file)
+    return (st.st_dev, st.st_ino)
+
+
+def end_open_lines() -> None:
+    """End every open line (the launcher is about to write a message of its own); their
+    rest comes later prefixed again."""
+    for owner in list(_open_lines.values()):
+        owner._write(b"\n")
+    _open_lines.clear()
+
+
 class StreamSink:
     """Where one stream of one worker goes."""
 
@@ -52,12 +84,13 @@ class StreamSink:
                  copy: LineCopy | None = None, rank: int = 0) -> None:
         self.prefix = prefix
         self.console = console
+        self.console_id = _console_id(console)
         self.log = log
         self.copy = copy
         self.rank = rank
-        self.partial = b""
-        self.shown = 0  # bytes of ``partial`` already on the console (prefixed: see show_partial)
-        self.partial_since = 0.0  # when ``partial`` last grew with nothing shown of it (monotonic)
+        self.line = b""  # the unfinished line, its first MAX_LINE bytes (tail and copy)
+        self.pending = b""  # prefixed: the part of the unfinished line not on the console yet
+        self.pending_since = 0.0  # when ``pending`` last grew (monotonic)
         self.tail: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
 
     def feed(self, data: bytes) -> None:
@@ -67,53 +100,72 @@ class StreamSink:
             self.log.flush()
         if not self.prefix:
             self._write(data)  # as the worker wrote it, unfinished lines included
-        data = self.partial + data
-        lines = data.split(b"\n")
-        self.partial = lines.pop()
-        if len(self.partial) > MAX_LINE:
-            lines.append(self.partial)
-            self.partial = b""
-        if lines:
+        *ended, rest = data.split(b"\n")
+        if ended:
+            lines = [self.line + ended[0][: MAX_LINE - len(self.line)], *(e[:MAX_LINE] for e in ended[1:])]
             self.tail.extend(lines)
             if self.copy is not None:
                 self.copy.take(self.rank, lines)
             if self.prefix:
-                shown, self.shown = self.shown, 0
-                first = lines[0][shown:] + b"\n" if shown else self.prefix + lines[0] + b"\n"
-                self._write(first + b"".join(self.prefix + line + b"\n" for line in lines[1:]))
-        if self.prefix and len(self.partial) > self.shown:
-            self.partial_since = time.monotonic()
+                if not (self.pending or ended[0]) and self.line and _open_lines.get(self.console_id) is not self:
+                    ended = ended[1:]  # all shown, and ended on the console by another sink's output
+                if ended:
+                    more = b"".join(self.prefix + e + b"\n" for e in ended[1:])
+                    self._show(self.pending + ended[0] + b"\n" + more, stays_open=False)
+            self.line = self.pending = b""
+        if rest:
+            self.line += rest[: MAX_LINE - len(self.line)]
+            if self.prefix:
+                self.pending += rest
+                self.pending_since = time.monotonic()
+                if len(self.pending) > MAX_LINE:  # no end in sight: show it, hold no more
+                    self.show_partial()
 
     def partial_due(self) -> float | None:
         """When the unfinished line is to be shown (monotonic), or None if nothing waits."""
-        if not self.prefix or len(self.partial) <= self.shown or self.console is None:
+        if not self.pending or self.console is None:
             return None
-        return self.partial_since + PARTIAL_DELAY
+        return self.pending_since + PARTIAL_DELAY
 
     def show_partial(self) -> None:
         """Show the unfinished line as far as it goes (a prompt waiting for an answer)."""
-        if len(self.partial) > self.shown:
-            self._write((b"" if self.shown else self.prefix) + self.partial[self.shown :])
-            self.shown = len(self.partial)
+        if self.pending:
+            self._show(self.pending, stays_open=True)
+            self.pending = b""
 
     def close(self) -> None:
         """Flush a last unterminated line (ended, when prefixed) and close the log file."""
-        if self.partial:
-            self.tail.append(self.partial)
+        if self.line:
+            self.tail.append(self.line)
             if self.copy is not None:
-                self.copy.take(self.rank, [self.partial])
-            if self.prefix:
-                self._write((self.partial[self.shown :] if self.shown else self.prefix + self.partial) + b"\n")
-            self.partial = b""
-            self.shown = 0
+                self.copy.take(self.rank, [self.line])
+            if self.pending or _open_lines.get(self.console_id) is self:
+                self._show(self.pending + b"\n", stays_open=False)
+            self.line = self.pending = b""
         if self.log is not None:
             self.log.close()
             self.log = None
 
     def tail_text(self) -> list[str]:
         """The last lines seen, decoded."""
-        lines = list(self.tail) + ([self.partial] if self.partial else [])
+        lines = list(self.tail) + ([self.line] if self.line else [])
         return [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
+
+    def _show(self, text: bytes, stays_open: bool) -> None:
+        """Put ``text``, the rest of our unfinished line (and maybe whole lines after it), on the
+        console: prefixed unless our line is open there; another sink's open line is ended first."""
+        if self.console is None:
+            return
+        owner = _open_lines.get(self.console_id)
+        if owner is not self:
+            if owner is not None:
+                owner._write(b"\n")
+            text = self.prefix + text
+        self._write(text)
+        if stays_open:
+            _open_lines[self.console_id] = self
+        else:
+            _open_lines.pop(self.console_id, None)
 
     def _write(self, text: bytes) -> None:
         if self.console is None or not text:

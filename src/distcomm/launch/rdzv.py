@@ -137,16 +137,30 @@ class NodeRendezvous:
     def join(self) -> Membership:
         """Join the next round that has room; return it once closed."""
         deadline = Deadline(self.join_timeout)
+        note_at = time.monotonic() + NOTE_AFTER
+        full = False  # whether we last found the running round full
         while True:
-            self._check_deadline(deadline)
-            rnd = self.current_round()
-            closed = self._peek(self._k(rnd, "closed"))
+            self._check_deadline(deadline, full)
+            try:
+                rnd = self.current_round()
+                closed = self._peek(self._k(rnd, "closed"))
+            except DistError as e:
+                if not full:
+                    raise
+                raise RendezvousFailed(
+                    f"the job ended while this launcher waited for its running round to end "
+                    f"({e})") from None
             if closed is not None:  # running: ask for a new round if there is room
-                if int(closed) < self.max:
+                full = int(closed) >= self.max
+                if not full:
                     self.next_round(rnd)
-                else:
-                    time.sleep(POLL * 5)
+                    continue
+                if time.monotonic() >= note_at:
+                    note_at = time.monotonic() + NOTE_EVERY
+                    self._note_full(rnd, int(closed), deadline)
+                time.sleep(POLL * 5)
                 continue
+            full = False
             index = self.store.add(self._k(rnd, "count"), 1) - 1
             self.store.set(self._k(rnd, f"node{index}"), json.dumps(self.info))
             try:
@@ -174,14 +188,34 @@ class NodeRendezvous:
                 return
             time.sleep(POLL)
 
-    def _check_deadline(self, deadline: Deadline) -> None:
+    def _check_deadline(self, deadline: Deadline, full: bool = False) -> None:
         if self.interrupted():
             raise RendezvousFailed("interrupted while waiting for the other nodes")
+        if deadline.expired() and full:
+            raise RendezvousFailed(
+                f"the job ran with all its nodes (--nnodes {self.info['nnodes']}) for the whole "
+                f"join_timeout ({self.join_timeout:g} s), leaving no room for this one"
+                + (f" (--node-rank {self.info['node_rank']} was taken)" if self.static else "")
+            )
         if deadline.expired():
             raise RendezvousFailed(
                 f"the other nodes did not join within {self.join_timeout:g} s "
                 f"(--nnodes {self.info['nnodes']}; set join_timeout with --rdzv-conf)"
             )
+
+    def _note_full(self, rnd: int, n: int, deadline: Deadline) -> None:
+        """Say that this node waits for a running round with no room to end."""
+        holder = ""
+        if self.static:  # who has our node rank?
+            holder = next((f"; --node-rank {node['node_rank']} is taken by a launcher on "
+                           f"{node['host']} (two launchers with the same --node-rank?)"
+                           for node in self._nodes(rnd, 0, n)
+                           if node["node_rank"] == self.info["node_rank"]), "")
+        self.say(
+            f"the job is running with all its nodes (--nnodes {self.info['nnodes']}){holder}; "
+            f"waiting for its round to end to join the next; giving up in "
+            f"{deadline.remaining():.0f} s (join_timeout, set with --rdzv-conf)"
+        )
 
     def _wait_closed(self, rnd: int, index: int, deadline: Deadline) -> Membership | None:
         min_reached: float | None = None

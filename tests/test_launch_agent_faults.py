@@ -1,0 +1,231 @@
+"""``distcomm run`` when things go wrong around the workers: the launcher's own signals,
+its stdout closed, a store it cannot reach, a node rank that is taken."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from distcomm.errors import DistConnectTimeoutError, DistNetworkError
+from distcomm.launch import agent as agent_mod
+from distcomm.launch import rdzv
+from distcomm.launch.agent import Agent, LaunchError
+from distcomm.launch.args import RunConfig
+from distcomm.store import HashStore
+from distcomm.testing import free_port, pid_alive
+
+RUN = [sys.executable, "-m", "distcomm.run"]
+
+#: Records its pid in DIR/pid<RANK>, says "ready", waits to be stopped; SIGUSR1 is noted.
+WAIT_PROG = """
+import os, signal, sys, time
+d = sys.argv[1]
+def usr1(signum, frame):
+    print("got SIGUSR1", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, usr1)
+tmp = os.path.join(d, "tmp" + os.environ["RANK"])
+with open(tmp, "w") as f:
+    f.write(str(os.getpid()))
+os.rename(tmp, os.path.join(d, "pid" + os.environ["RANK"]))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def write(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def wait_pids(d: Path, ranks: list[int], timeout: float = 30) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        files = [d / f"pid{r}" for r in ranks]
+        if all(f.exists() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.02)
+    raise AssertionError(f"workers {ranks} did not start")
+
+
+def assert_gone(pids: list[int], within: float = 5.0) -> None:
+    end = time.monotonic() + within
+    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not [p for p in pids if pid_alive(p)], "workers outlived their launchers"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_node_that_hosts_the_store_stops_the_other_node(tmp_path, sig):
+    prog = write(tmp_path, "wait.py", WAIT_PROG)
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", port]
+    popen = {"cwd": tmp_path, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen([*RUN, *common, "--node-rank", "0", prog, str(tmp_path)], **popen) as node0, \
+         subprocess.Popen([*RUN, *common, "--node-rank", "1", prog, str(tmp_path)], **popen) as node1:
+        pids = wait_pids(tmp_path, [0, 1])
+        node0.send_signal(sig)
+        _, err0 = node0.communicate(timeout=60)
+        _, err1 = node1.communicate(timeout=60)
+    assert node0.returncode == 128 + sig, err0
+    assert f"got {signal.Signals(sig).name}; stopping 1 worker\n" in err0, err0
+    assert node1.returncode == 1, err1
+    assert "another node gave up: a launcher on " in err1 and signal.Signals(sig).name in err1, err1
+    assert_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_to_the_launcher_is_passed_to_the_workers_and_the_job_goes_on(tmp_path):
+    prog = write(tmp_path, "wait.py", WAIT_PROG)
+    with subprocess.Popen([*RUN, "--nproc-per-node", "2", prog, str(tmp_path)], cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
+        wait_pids(tmp_path, [0, 1])
+        job.send_signal(signal.SIGUSR1)
+        out, err = job.communicate(timeout=30)
+    assert job.returncode == 0, err
+    assert sorted(line for line in out.splitlines() if "SIGUSR1" in line) == [
+        "[rank0]:got SIGUSR1", "[rank1]:got SIGUSR1"], out
+
+
+@pytest.mark.timeout(60)
+def test_a_launcher_whose_stdout_is_closed_still_runs_the_job(tmp_path):
+    prog = write(tmp_path, "p.py", """
+        import os, sys
+        print("to nowhere")
+        open(os.path.join(sys.argv[1], "ran" + os.environ["RANK"]), "w").close()
+    """)
+    job = subprocess.run([*RUN, "--nproc-per-node", "2", prog, str(tmp_path)], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=30,
+                         preexec_fn=lambda: __import__("os").close(1))
+    assert job.returncode == 0, job.stderr
+    assert "Traceback" not in job.stderr, job.stderr
+    assert (tmp_path / "ran0").exists() and (tmp_path / "ran1").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_worker_is_reported_once(tmp_path):
+    """A worker that fails with no restarts left is reported once, in the final report."""
+    prog = write(tmp_path, "bad.py", "import sys; sys.exit(5)\n")
+    job = subprocess.run([*RUN, prog], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert job.returncode == 1
+    assert job.stderr.count("exited with code 5") == 1, job.stderr
+
+
+def _config(**kw) -> RunConfig:
+    base = {"argv": ["x.py"], "nproc": 1, "nnodes": (2, 2), "node_rank": 1,
+            "store_host": "127.0.0.1", "store_port": free_port(), "host_store": "no",
+            "rdzv_id": "default", "join_timeout": 0.6}
+    base.update(kw)
+    return RunConfig(**base)
+
+
+@pytest.mark.timeout(30)
+def test_a_launcher_waiting_for_the_store_says_so_until_it_gives_up(monkeypatch):
+    monkeypatch.setattr(agent_mod, "NOTE_AFTER", 0.1)
+    monkeypatch.setattr(agent_mod, "NOTE_EVERY", 0.2)
+    notes: list[str] = []
+    monkeypatch.setattr(agent_mod, "_say", notes.append)
+    cfg = _config()
+    agent = Agent(cfg)
+    try:
+        with pytest.raises(LaunchError, match=r"cannot reach the job's store at 127\.0\.0\.1:\d+ within 0\.6 s"):
+            agent._open_store()
+    finally:
+        agent.sel.close()
+        agent.wake_r.close()
+        agent.wake_w.close()
+    assert 1 <= len(notes) <= 4, notes
+    assert notes[0].startswith(f"waiting for the job's store at 127.0.0.1:{cfg.store_port} (")
+    assert "giving up in" in notes[0] and "join_timeout" in notes[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_launcher_that_cannot_reach_its_own_store_says_the_address_is_not_here(monkeypatch):
+    calls = []
+
+    def store(host, port, world_size, is_master, timeout, **kw):
+        calls.append((is_master, timeout))
+        raise DistConnectTimeoutError(f"could not connect to the store at {host}:4242 within "
+                                      f"{timeout:g} s (last error: [Errno 111] Connection refused)")
+
+    monkeypatch.setattr(agent_mod, "TCPStore", store)
+    agent = Agent(_config(node_rank=0, host_store="yes", join_timeout=600.0,
+                          store_host="192.0.2.1"))
+    try:
+        with pytest.raises(LaunchError) as e:
+            agent._open_store()
+    finally:
+        agent.sel.close()
+        agent.wake_r.close()
+        agent.wake_w.close()
+    assert calls == [(True, agent_mod.LOCAL_STORE_ANSWER)]  # no wait for the whole join timeout
+    assert str(e.value).startswith("cannot host the job's store at 192.0.2.1: this launcher could "
+                                   "not connect to the store at 192.0.2.1:4242")
+    assert str(e.value).endswith("--master-addr (or --rdzv-endpoint) must be an address of this machine")
+    assert "\n" not in str(e.value)
+
+    def busy(host, port, *a, **kw):
+        raise DistNetworkError(f"cannot start the store server on {host}:{port}: Address already in use")
+
+    monkeypatch.setattr(agent_mod, "TCPStore", busy)
+    agent = Agent(_config(node_rank=0, host_store="yes"))
+    try:
+        with pytest.raises(LaunchError, match="is another job using port"):
+            agent._open_store()
+    finally:
+        agent.sel.close()
+        agent.wake_r.close()
+        agent.wake_w.close()
+
+
+class _Gone:
+    """``store``, whose server goes away after ``adds`` more calls of ``add``."""
+
+    def __init__(self, store: HashStore, adds: int) -> None:
+        self.store, self.adds = store, adds
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def add(self, key: str, amount: int) -> int:
+        self.adds -= 1
+        if self.adds < 0:
+            raise DistNetworkError("store add: connection broke (the store server closed the connection)")
+        return self.store.add(key, amount)
+
+
+@pytest.mark.timeout(30)
+def test_a_launcher_with_a_node_rank_already_taken_says_so(monkeypatch):
+    monkeypatch.setattr(rdzv, "NOTE_AFTER", 0.05)
+    monkeypatch.setattr(rdzv, "NOTE_EVERY", 10.0)
+    store = HashStore()
+    first = [rdzv.NodeRendezvous(store, "job", 1, (2, 2), r, 0.1, 5.0, "run") for r in (0, 1)]
+    members = [None, None]
+    threads = [threading.Thread(target=lambda i=i: members.__setitem__(i, first[i].join()))
+               for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(m is not None for m in members)  # the job runs with node ranks 0 and 1
+    late = rdzv.NodeRendezvous(store, "job", 1, (2, 2), 1, 0.1, 0.5, "run")
+    notes: list[str] = []
+    late.say = notes.append
+    with pytest.raises(rdzv.RendezvousFailed, match=r"--node-rank 1 was taken"):
+        late.join()
+    assert notes and "--node-rank 1 is taken by a launcher on " in notes[0], notes
+    assert "waiting for its round to end" in notes[0]
+    # the job ends (its store goes away) while a late launcher waits: said as such
+    late = rdzv.NodeRendezvous(_Gone(store, 2), "job", 1, (2, 2), 1, 0.1, 5.0, "run")
+    with pytest.raises(rdzv.RendezvousFailed, match="the job ended while this launcher waited"):
+        late.join()
