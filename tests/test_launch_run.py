@@ -548,6 +548,11 @@ def test_static_membership_takes_the_rdzv_endpoint_and_one_worker_keeps_its_thre
     cfg = config("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:29277",
                  "--node-rank", "1")
     assert (cfg.store_host, cfg.store_port, cfg.node_rank) == ("127.0.0.1", 29277, 1)  # as torchrun
+    assert cfg.notes == []
+    cfg = config("--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29277", "--node-rank", "1")
+    assert cfg.node_rank is None and cfg.notes == [  # elastic: ranked by arrival, and said so
+        "--node-rank 1 is ignored with --rdzv-endpoint (nodes are ranked as they join); "
+        "--rdzv-backend static keeps the node ranks given"]
     assert config("--nnodes", "2", "--node-rank", "1").store_port == 29500
     assert config("--run-path", "--no-python").argv[:2] == [sys.executable, "-u"]  # a Python file after all
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}

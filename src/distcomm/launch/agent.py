@@ -161,6 +161,8 @@ class Agent:
 
     # -- the whole run -------------------------------------------------------
     def run(self) -> int:
+        for note in self.cfg.notes:
+            _say(note)
         old = self._install_signals()
         try:
             return self._run()

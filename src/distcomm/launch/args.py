@@ -73,6 +73,8 @@ class RunConfig:
     virtual_local_rank: bool = False  # LOCAL_RANK=0 for every worker
     #: lines of each stream (stdout, stderr) containing one of these go to filtered_*.log too
     duplicate_filters: tuple[list[str], list[str]] = ([], [])
+    #: what the launcher says before it starts (flags it ignores)
+    notes: list[str] = field(default_factory=list)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -377,6 +379,7 @@ def to_config(args: argparse.Namespace) -> RunConfig:
     if ranks_filter is not None:
         _check_local_ranks("--local-ranks-filter", args.local_ranks_filter, ranks_filter, nproc, nproc_text)
     node_rank: int | None = args.node_rank if args.node_rank is not None else 0
+    notes: list[str] = []
     host_store = "no"
     if args.standalone:
         if nnodes != (1, 1):
@@ -384,6 +387,9 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         host, port, host_store, node_rank = "127.0.0.1", args.master_port or 0, "yes", 0
     elif args.rdzv_endpoint and args.rdzv_backend != "static":
         host, port = _endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT)
+        if args.node_rank is not None:
+            notes.append(f"--node-rank {args.node_rank} is ignored with --rdzv-endpoint (nodes are "
+                         "ranked as they join); --rdzv-backend static keeps the node ranks given")
         host_store, node_rank = ("try" if _is_local(host) else "no"), None
     else:
         if nnodes[0] != nnodes[1]:
@@ -415,7 +421,7 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         join_timeout=conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT),
         last_call=conf.get("last_call_timeout", DEFAULT_LAST_CALL),
         role=args.role, prefix=args.rank_prefix, log_dir=args.log_dir,
-        tee=tee, redirects=redirects, ranks_filter=ranks_filter,
+        tee=tee, redirects=redirects, ranks_filter=ranks_filter, notes=notes,
     )
 
 
