@@ -1298,6 +1298,40 @@ def run_p2p(rank: int, world_size: int, backend: str, port: int) -> Report:
             rep.cases += 1
             if order != [0, 1, 2, 3, 4]:
                 rep.fail(f"messages with one tag arrived as {order}, expected sending order")
+        # A receive takes a shorter message into the start of its buffer (MPI's and gloo's rule) and
+        # leaves the rest as it was: small, empty and large, the receive posted first (odd ranks) or
+        # the message there first (even ranks), from a named source and from any.
+        for n, room in ((3, 8), (0, 5), (LARGE_BYTES // 8 - 3, LARGE_BYTES // 8)):
+            key = f"p2p/shorter/{n}"
+            for any_source in (False, True):
+                buf = np.full(room, -7.0)
+                src_arg = None if any_source else prv
+                if rank % 2:
+                    w = dist.irecv(buf, src=src_arg, tag=30)
+                    dist.send(make("float64", n, rank, key), dst=nxt, tag=30)
+                    w.wait()
+                    src = w.source_rank()
+                else:
+                    dist.send(make("float64", n, rank, key), dst=nxt, tag=30)
+                    time.sleep(0.05)  # (the message is there before the receive)
+                    src = dist.recv(buf, src=src_arg, tag=30)
+                rep.exact(f"{key} any={any_source} received", buf[:n], make("float64", n, prv, key))
+                rep.exact(f"{key} any={any_source} rest kept", buf[n:], np.full(room - n, -7.0))
+                rep.cases += 1
+                if src != prv:
+                    rep.fail(f"{key} any={any_source}: the receive names sender {src}, expected {prv}")
+        # A large send to a rank that posted its receive and then entered a barrier completes:
+        # the barrier's wait gets the receive its message (MPI matches it only when asked).
+        big = np.zeros(LARGE_BYTES // 8)
+        w = dist.irecv(big, src=prv, tag=31)
+        if rank % 2 == 0:
+            dist.send(np.full(LARGE_BYTES // 8, float(rank)), dst=nxt, tag=31)
+            dist.barrier()
+        else:
+            dist.barrier()
+            dist.send(np.full(LARGE_BYTES // 8, float(rank)), dst=nxt, tag=31)
+        w.wait()
+        rep.exact("a receive posted before a barrier", big, np.full(LARGE_BYTES // 8, float(prv)))
         # Point-to-point and collectives interleaved: a pending receive does not take collective data.
         pending = np.zeros(3, np.int64)
         w = dist.irecv(pending, src=prv, tag=0)

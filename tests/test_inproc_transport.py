@@ -117,6 +117,19 @@ def test_size_mismatch_fails_both_sides_naming_sizes(hub):
     assert info.value.peer == 0 and info.value.rank == 1
 
 
+def test_a_shorter_message_fills_the_start_of_a_receive_that_allows_it(hub):
+    out = memoryview(bytearray(b"......"))
+    r = hub[1].irecv(0, 0, out, shorter=True)
+    hub[0].isend(1, 0, memoryview(b"abc")).wait(dl())
+    r.wait(dl())
+    assert bytes(out) == b"abc..." and r.source == 0
+    s = hub[0].isend(1, 0, memoryview(b"abcdefg"))  # longer than the buffer: still an error
+    r = hub[1].irecv(0, 0, out, shorter=True)
+    for req in (r, s):
+        with pytest.raises(DistBackendError, match="7 bytes.*6 bytes"):
+            req.wait(dl())
+
+
 def test_zero_byte_and_large_messages(hub):
     r = hub[1].irecv(0, 0, buf(0))
     hub[0].isend(1, 0, memoryview(b"")).wait(dl())

@@ -6,12 +6,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
-import time
-from pathlib import Path
 
 import pytest
+from test_launch_run import assert_gone, wait_pids, write
 
 from distcomm.errors import DistConnectTimeoutError, DistNetworkError
 from distcomm.launch import agent as agent_mod
@@ -19,7 +17,7 @@ from distcomm.launch import rdzv
 from distcomm.launch.agent import Agent, LaunchError
 from distcomm.launch.args import RunConfig
 from distcomm.store import HashStore
-from distcomm.testing import free_port, pid_alive
+from distcomm.testing import free_port
 
 RUN = [sys.executable, "-m", "distcomm.run"]
 
@@ -40,29 +38,6 @@ time.sleep(60)
 """
 
 
-def write(tmp: Path, name: str, text: str) -> str:
-    path = tmp / name
-    path.write_text(textwrap.dedent(text))
-    return str(path)
-
-
-def wait_pids(d: Path, ranks: list[int], timeout: float = 30) -> list[int]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        files = [d / f"pid{r}" for r in ranks]
-        if all(f.exists() for f in files):
-            return [int(f.read_text()) for f in files]
-        time.sleep(0.02)
-    raise AssertionError(f"workers {ranks} did not start")
-
-
-def assert_gone(pids: list[int], within: float = 5.0) -> None:
-    end = time.monotonic() + within
-    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.02)
-    assert not [p for p in pids if pid_alive(p)], "workers outlived their launchers"
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_node_that_hosts_the_store_stops_the_other_node(tmp_path, sig):
@@ -73,7 +48,7 @@ def test_a_signal_to_the_node_that_hosts_the_store_stops_the_other_node(tmp_path
     popen = {"cwd": tmp_path, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     with subprocess.Popen([*RUN, *common, "--node-rank", "0", prog, str(tmp_path)], **popen) as node0, \
          subprocess.Popen([*RUN, *common, "--node-rank", "1", prog, str(tmp_path)], **popen) as node1:
-        pids = wait_pids(tmp_path, [0, 1])
+        pids = wait_pids(tmp_path, 2)
         node0.send_signal(sig)
         _, err0 = node0.communicate(timeout=60)
         _, err1 = node1.communicate(timeout=60)
@@ -81,7 +56,7 @@ def test_a_signal_to_the_node_that_hosts_the_store_stops_the_other_node(tmp_path
     assert f"got {signal.Signals(sig).name}; stopping 1 worker\n" in err0, err0
     assert node1.returncode == 1, err1
     assert "another node gave up: a launcher on " in err1 and signal.Signals(sig).name in err1, err1
-    assert_gone(pids)
+    assert_gone(pids, within=5.0)
 
 
 @pytest.mark.timeout(60)
@@ -89,7 +64,7 @@ def test_sigusr1_to_the_launcher_is_passed_to_the_workers_and_the_job_goes_on(tm
     prog = write(tmp_path, "wait.py", WAIT_PROG)
     with subprocess.Popen([*RUN, "--nproc-per-node", "2", prog, str(tmp_path)], cwd=tmp_path,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
-        wait_pids(tmp_path, [0, 1])
+        wait_pids(tmp_path, 2)
         job.send_signal(signal.SIGUSR1)
         out, err = job.communicate(timeout=30)
     assert job.returncode == 0, err

@@ -516,7 +516,7 @@ class ChannelProcessGroup(ProcessGroup):
         ref = self._ref(tensor, "tensor")
         wire = self._check_tag(tag)
         self.check_usable()
-        req = self.channel.irecv(src, wire, ref.bytes())
+        req = self.channel.irecv(src, wire, ref.bytes(), shorter=True)  # (as MPI and gloo)
         return _RequestWork(self, "recv", req, src, tensor, ref, tag)
 
     def _check_peer(self, peer: Any, what: str) -> None:

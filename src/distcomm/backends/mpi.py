@@ -250,6 +250,8 @@ class MpiCollectives:
         self.MPI = rt.MPI
         self.comm = comm
         self.group = group
+        #: Run while waiting for a non-blocking collective (the group's receives, set by it).
+        self.progress: Callable[[], None] | None = None
         self.ops = _ops_for(rt)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -291,7 +293,8 @@ class MpiCollectives:
         else:
             req = rt.call(_nonblocking_name(what)(), start, *args)
         try:
-            wait_request(rt, req, deadline, self._get_failed, _nonblocking_name(what))
+            wait_request(rt, req, deadline, self._get_failed, _nonblocking_name(what),
+                         progress=self.progress)
         except BaseException:
             rt.orphan(req)  # MPI may still complete it: keep it and its buffers alive
             raise
@@ -404,6 +407,7 @@ class MpiProcessGroup(ChannelProcessGroup):
 
         channel = MpiChannel(rt, comm, describe)
         self.collectives = MpiCollectives(rt, comm, group_name)
+        self.collectives.progress = channel.progress_receives
         #: (id(op), dtype) -> (op, logical dtype name, checked op, view dtype, MPI datatype, MPI op)
         #: for all_reduce straight to MPI, or (op, None, ...) when the generic path is needed.
         self._plans: dict[tuple[int, np.dtype], tuple[Any, ...]] = {}

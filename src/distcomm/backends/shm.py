@@ -176,6 +176,7 @@ class ShmProcessGroup(ChannelProcessGroup):
             self._close_memory()
             raise
         self._control.reason = lambda r: channel.abort_reason(r)[0]
+        self._control.progress = channel.progress_receives
         super().__init__(channel, group_name, timeout, ranks, algorithms=collectives)
 
     @staticmethod

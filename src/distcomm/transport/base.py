@@ -295,8 +295,10 @@ class Channel(ABC):
         """Start sending ``data`` (a byte view) to group rank ``dst``."""
 
     @abstractmethod
-    def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
-        """Start receiving exactly ``len(out)`` bytes from ``src`` (None: any rank)."""
+    def irecv(self, src: int | None, tag: int, out: memoryview, shorter: bool = False) -> Request:
+        """Start receiving exactly ``len(out)`` bytes from ``src`` (None: any rank); with
+        ``shorter``, a shorter message too, into the start of ``out`` (a user's ``recv``:
+        MPI's and gloo's rule; collectives need the exact size)."""
 
     def close(self) -> None:
         """Release this channel (pending requests fail).  Idempotent."""

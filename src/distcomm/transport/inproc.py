@@ -45,12 +45,14 @@ _NUMPY_COPY_BYTES = 1 << 16
 class _Request(Request):
     """A send or receive of one channel; finished exactly once by whoever unqueued it."""
 
-    def __init__(self, rank: int, peer: int | None, tag: int, buf: memoryview, send: bool):
+    def __init__(self, rank: int, peer: int | None, tag: int, buf: memoryview, send: bool,
+                 shorter: bool = False):
         self.rank = rank
         self.peer = peer
         self.tag = tag
         self.buf = buf
         self.send = send
+        self.shorter = shorter  # (a receive) a shorter message is taken too
         self.source = None
         self._error: BaseException | None = None
         self._event = threading.Event()
@@ -106,6 +108,8 @@ def _take(queues: dict[int, list[_Request]], tag: int, source: int | None) -> _R
 def _deliver(send: _Request, recv: _Request) -> None:
     """Copy a matched message (outside the hub lock) and finish both requests."""
     src, dst = send.buf, recv.buf
+    if recv.shorter and len(src) < len(dst):
+        dst = dst[: len(src)]
     if len(src) != len(dst):
         text = (
             f"message size mismatch: rank {send.rank} sent {len(src)} bytes, "
@@ -162,9 +166,9 @@ class InProcChannel(Channel):
             _deliver(req, recv)  # type: ignore[arg-type]
         return req
 
-    def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
+    def irecv(self, src: int | None, tag: int, out: memoryview, shorter: bool = False) -> Request:
         self._check_peer(src, "source")
-        req = _Request(self.rank, src, tag, byte_view(out, writable=True), send=False)
+        req = _Request(self.rank, src, tag, byte_view(out, writable=True), send=False, shorter=shorter)
         hub = self._hub
         with hub._lock:
             send = None if self._own_error else _take(self._arrived, tag, src)

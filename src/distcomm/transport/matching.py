@@ -191,7 +191,7 @@ class SendRequest(_Done):
 
 class RecvRequest(_Done):
     __slots__ = ("peer", "group", "tag", "view", "bound", "rts_seen", "rtr_sent", "members", "source",
-                 "ticks")
+                 "ticks", "shorter")
 
     def __init__(self, peer: int | None, group: int, tag: int, view: memoryview, members) -> None:
         self.peer = peer  # a process rank, or None for any member of the group
@@ -204,6 +204,15 @@ class RecvRequest(_Done):
         self.members = members  # process rank -> group rank, for every allowed source
         self.source: int | None = None  # group rank of the sender, once matched
         self.ticks = 0  # the transport's ticks it has been waiting for (see calls_to_tell)
+        self.shorter = False  # a shorter message is taken too (into the start of view)
+
+    def fits(self, nbytes: int) -> memoryview | None:
+        """Where a message of ``nbytes`` goes: the view, its start (``shorter``), or None
+        (another size)."""
+        view = self.view
+        if nbytes == len(view):
+            return view
+        return view[:nbytes] if self.shorter and nbytes < len(view) else None
 
     def accepts(self, peer: int) -> bool:
         if self.bound is not None:

@@ -286,8 +286,11 @@ def mpi_error(what: str, e: Any, **facts: Any) -> DistBackendError:
 
 
 def wait_request(rt: MpiRuntime, req: Any, deadline: Deadline, failed: Callable[[], BaseException | None],
-                 what: Callable[[], str], status: Any = None) -> None:
-    """Test ``req`` until it completes; raise ``failed()`` once it is not None, or a timeout."""
+                 what: Callable[[], str], status: Any = None,
+                 progress: Callable[[], None] | None = None) -> None:
+    """Test ``req`` until it completes; raise ``failed()`` once it is not None, or a timeout.
+    ``progress()``, if given, runs between tests once the first spin found nothing (the
+    channel's receives waiting for their message: a peer's send may wait for one of them)."""
     test = req.Test
     MPI = rt.MPI
     lock = rt.lock
@@ -310,6 +313,8 @@ def wait_request(rt: MpiRuntime, req: Any, deadline: Deadline, failed: Callable[
             if cause is not None:
                 raise cause
             if n >= SPIN_TESTS:
+                if progress is not None:
+                    progress()
                 os.sched_yield()
                 if n % CLOCK_EVERY == 0 and deadline.expired():
                     raise DistTimeoutError(f"{what()} did not complete within {deadline.seconds:g} s",
@@ -370,18 +375,20 @@ class _Send(_MpiRequest):
             cause = self._failed()
             if cause is not None:
                 raise cause
-            wait_request(self.channel.rt, self.req, deadline, self._failed, self._what)
+            wait_request(self.channel.rt, self.req, deadline, self._failed, self._what,
+                         progress=self.channel.progress_receives)
             self.finished = True
 
 
 class _Recv(_MpiRequest):
     def __init__(self, channel: MpiChannel, src: int | None, tag: int, mpi_tag: int, hashed: bool,
-                 out: memoryview) -> None:
+                 out: memoryview, shorter: bool = False) -> None:
         super().__init__(channel, src, "recv")
         self.tag = tag
         self.mpi_tag = mpi_tag
         self.hashed = hashed
         self.out = out
+        self.shorter = shorter  # a shorter message is taken too, into the start of out
         self.temp: bytearray | None = None
         self.source: int | None = None
 
@@ -390,11 +397,10 @@ class _Recv(_MpiRequest):
         MPI = self.channel.rt.MPI
         src = status.Get_source()
         n = status.Get_count(MPI.BYTE)
-        want = len(self.out) + (_HEADER if self.hashed else 0)
+        sent, expected = n - (_HEADER if self.hashed else 0), len(self.out)
         self.peer = self.source = src
-        if n != want:
+        if sent != expected and not (self.shorter and 0 <= sent < expected):
             self.channel.rt.orphan(msg.Irecv([bytearray(max(n, 1)), n, MPI.BYTE]))  # take it out of MPI
-            sent, expected = n - (_HEADER if self.hashed else 0), len(self.out)
             self.error = DistBackendError(
                 f"{self.channel.describe(src)} sent {sent} bytes but {expected} were expected "
                 f"(tag {self.tag}); the receive buffer must have the message's size",
@@ -405,7 +411,7 @@ class _Recv(_MpiRequest):
             self.temp = bytearray(n)
             self.req = msg.Irecv([self.temp, MPI.BYTE])
         else:
-            self.req = msg.Irecv([self.out, MPI.BYTE])
+            self.req = msg.Irecv([self.out[:sent], MPI.BYTE])
 
     def _complete(self) -> None:
         if self.temp is not None:
@@ -418,7 +424,7 @@ class _Recv(_MpiRequest):
                     rank=self.channel.rank, peer=self.source, op="recv",
                 )
             else:
-                self.out[:] = memoryview(self.temp)[_HEADER:]
+                self.out[: len(self.temp) - _HEADER] = memoryview(self.temp)[_HEADER:]
             self.temp = None
         self.finished = True
 
@@ -447,7 +453,8 @@ class _Recv(_MpiRequest):
                     raise DistTimeoutError(f"{self._what()} did not complete within {deadline.seconds:g} s",
                                            timeout=deadline.seconds, peer=self.peer)
         if not self.finished:
-            wait_request(self.channel.rt, self.req, deadline, self._failed, self._what)
+            wait_request(self.channel.rt, self.req, deadline, self._failed, self._what,
+                         progress=self.channel.progress_receives)
             self._complete()
         if self.error is not None:
             raise self.error
@@ -500,11 +507,11 @@ class MpiChannel(Channel):
             self._track(req)
         return req
 
-    def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
+    def irecv(self, src: int | None, tag: int, out: memoryview, shorter: bool = False) -> Request:
         if src is not None:
             self._check_peer(src, "source")
         mpi_tag, hashed = self._mpi_tag(tag)
-        req = _Recv(self, src, tag, mpi_tag, hashed, out)
+        req = _Recv(self, src, tag, mpi_tag, hashed, out, shorter)
         with self._mu:
             if self._failed is not None:
                 raise self._failed
@@ -522,6 +529,13 @@ class MpiChannel(Channel):
         with self._mu:
             if self._failed is None:
                 self._match_locked()
+
+    def progress_receives(self) -> None:
+        """Match the receives still waiting for their message, if there are any: MPI gets
+        their buffers only then, and a peer's large send waits for that (call it while
+        waiting for anything else)."""
+        if self._unmatched:
+            self._progress()
 
     def _match_locked(self) -> None:
         """Give each unmatched receive, in posting order, the next message MPI has for it."""

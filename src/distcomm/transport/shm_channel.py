@@ -197,13 +197,21 @@ class _Send(_Pending):
 
 
 class _Recv(_Pending):
-    __slots__ = ("source",)
+    __slots__ = ("source", "shorter")
 
     view: memoryview
 
-    def __init__(self, ch: ShmChannel, peer: int | None, tag: int, view: memoryview) -> None:
+    def __init__(self, ch: ShmChannel, peer: int | None, tag: int, view: memoryview,
+                 shorter: bool = False) -> None:
         super().__init__(ch, peer, tag, view, len(view))
         self.source: int | None = None
+        self.shorter = shorter  # a shorter message is taken too, into the start of view
+
+    def fits(self, n: int) -> memoryview | None:
+        """Where a message of ``n`` bytes goes: the view, its start, or None (another size)."""
+        if n == self.n:
+            return self.view
+        return self.view[:n] if self.shorter and n < self.n else None
 
 
 class _Incoming:
@@ -418,13 +426,14 @@ class ShmChannel(Channel):
             self._push(dst)
         return req
 
-    def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
-        """Start receiving exactly ``len(out)`` bytes from ``src`` (None: any other rank)."""
+    def irecv(self, src: int | None, tag: int, out: memoryview, shorter: bool = False) -> Request:
+        """Start receiving exactly ``len(out)`` bytes from ``src`` (None: any other rank);
+        with ``shorter``, a shorter message too."""
         if src is not None and (src.__class__ is not int or not 0 <= src < self.size or src == self.rank):
             self._check_rank(src, "source")
         if tag.__class__ is not int or not 0 <= tag < _TAG_LIMIT:
             self._check_tag(tag)
-        req = _Recv(self, src, tag, byte_view(out, True))
+        req = _Recv(self, src, tag, byte_view(out, True), shorter)
         with self._lock:
             if self._error is not None:
                 self._complete(req, self._error)
@@ -497,7 +506,8 @@ class ShmChannel(Channel):
                     self._unstick()
                 e.early = False
                 req.source = e.src
-                if e.n != req.n:
+                into = req.fits(e.n)
+                if into is None:
                     self._complete(req, self._mismatch(e.src, e.n, req.n, req.tag))
                     if not e.done:
                         e.target = None  # the rest is read and dropped
@@ -505,11 +515,11 @@ class ShmChannel(Channel):
                     return True
                 got = min(e.pos, e.n)
                 if got:
-                    req.view[:got] = e.target[:got]  # type: ignore[index]
+                    into[:got] = e.target[:got]  # type: ignore[index]
                 if e.done:
                     self._complete(req)
                 else:  # still arriving: the rest goes straight into req's buffer
-                    e.target = req.view
+                    e.target = into
                     e.req = req
                 return True
         return False
@@ -712,11 +722,12 @@ class ShmChannel(Channel):
                     self._uncount(r)
                     self._rseq[p] = seq
                     r.source = p
-                    if r.n != n:
+                    into = r.fits(n)
+                    if into is None:
                         self._complete(r, self._mismatch(p, n, r.n, tag))
                         self._reject(p, seq, r.n)
                         return _Incoming(p, tag, n, seq, None, None)
-                    return _Incoming(p, tag, n, seq, r.view, r)
+                    return _Incoming(p, tag, n, seq, into, r)
         # Small ones leave the ring within the budget.  When a posted receive may need a
         # later message of this ring, this one is taken out whatever its size: leaving it
         # would deadlock (the memory is what the peer sent ahead of the awaited message).
@@ -764,6 +775,15 @@ class ShmChannel(Channel):
         futex_wake(self._bell_addr[r])
 
     # -- waiting --------------------------------------------------------------------------
+    def progress_receives(self) -> bool:
+        """Move what peers sent into the receives posted or being filled, if there are any
+        (call it while waiting for anything else: a peer's send may wait for ring space);
+        whether there were."""
+        if not self._posted and not any(self._inc):
+            return False
+        self._poke()
+        return True
+
     def _poke(self) -> None:
         """One progress pass if no other thread is making progress (for ``done()``)."""
         if self._lock.acquire(blocking=False):

@@ -43,6 +43,8 @@ LINE_WORDS = LINE // 8
 CALL_WORDS = LINE_WORDS - 2
 #: Longest single sleep (s): bounds a lost wake-up and the time to notice a dead peer.
 NAP = 0.05
+#: ... or this long (s) while the group's point-to-point receives wait for data (see progress).
+PROGRESS_NAP = 0.002
 
 # -- futex --------------------------------------------------------------------------------
 
@@ -225,6 +227,9 @@ class Control:
         self._cancelled: BaseException | None = None
         #: ``reason(r)``: what group rank r said when it aborted the group ("" if nothing), or None.
         self.reason: Callable[[int], str] | None = None
+        #: ``progress()``: run by a sleeping wait; True while it has work waiting (the group's
+        #: posted receives: a peer's send may wait for them while this rank waits here).
+        self.progress: Callable[[], bool] | None = None
         self._seen_all = 0  # every counter was >= this when last looked at
         self._failed_at = 0  # the phase a wait of this rank failed in (0: none)
         #: Seconds of spinning, then of yielding, before a wait sleeps.
@@ -348,7 +353,8 @@ class Control:
                     if counters[peer] >= target:
                         return
                     raise
-                futex_wait(addr, ctypes.c_int32(seen & 0xFFFFFFFF).value, min(NAP, deadline.remaining()))
+                nap = PROGRESS_NAP if self.progress is not None and self.progress() else NAP
+                futex_wait(addr, ctypes.c_int32(seen & 0xFFFFFFFF).value, min(nap, deadline.remaining()))
         except BaseException:
             self._failed_at = target  # (an abort of this rank tells peers this phase failed)
             raise

@@ -421,9 +421,11 @@ class TcpTransport:
             del p.waiting[key]
 
     def post_recv(
-        self, peer: int | None, group: int, tag: int, view: memoryview, members: Mapping[int, int]
+        self, peer: int | None, group: int, tag: int, view: memoryview, members: Mapping[int, int],
+        shorter: bool = False,
     ) -> RecvRequest:
         req = RecvRequest(peer, group, tag, view, members)
+        req.shorter = shorter
         req.helper = self._help if peer is not None else self._help_any
         to_connect: list[_Peer] = []
         with self._mu:
@@ -1148,14 +1150,15 @@ class TcpTransport:
                 if self._matcher.early_bytes > EARLY_BUDGET:
                     p.paused = True
                 return
-        if req is not None and len(req.view) == nbytes:
+        into = None if req is None else req.fits(nbytes)
+        if into is not None:
             if staged:  # all staged (small messages): copy, done
                 if nbytes:
-                    req.view[:] = p.rview[pos : pos + nbytes]
+                    into[:] = p.rview[pos : pos + nbytes]
                     p.rpos = pos + nbytes
                 req.complete()
             else:
-                self._start_body(p, req.view, _completes, req)
+                self._start_body(p, into, _completes, req)
             return
         if req is not None:  # size mismatch: the payload is dropped
             req.complete(_size_mismatch(req, nbytes))
@@ -1556,9 +1559,9 @@ class TcpChannel(Channel):
     def isend(self, dst: int, tag: int, data: memoryview) -> Request:
         return self._t.post_send(self._ranks[dst], self._gid, tag, _bytes(data), self._members)
 
-    def irecv(self, src: int | None, tag: int, out: memoryview) -> Request:
+    def irecv(self, src: int | None, tag: int, out: memoryview, shorter: bool = False) -> Request:
         peer = None if src is None else self._ranks[src]
-        return self._t.post_recv(peer, self._gid, tag, _bytes(out), self._members)
+        return self._t.post_recv(peer, self._gid, tag, _bytes(out), self._members, shorter)
 
     def abort(self, cause: BaseException) -> None:
         self._t.abort_group(self._gid, self._members, cause)
@@ -1625,10 +1628,11 @@ def _completes(req: RecvRequest, _data) -> None:
 
 
 def _fill(req: RecvRequest, data) -> None:
-    if len(data) != len(req.view):
+    into = req.fits(len(data))
+    if into is None:
         req.complete(_size_mismatch(req, len(data)))
         return
-    req.view[:] = data
+    into[:] = data
     req.complete()
 
 
