@@ -46,7 +46,7 @@ from ..errors import (
 from ..store import TCPStore, auth
 from ..transport.tcp_wire import HOST_VAR
 from .args import RunConfig
-from .output import LineCopy, StreamSink, end_open_lines
+from .output import LineCopy, StreamSink, end_open_line
 from .rdzv import NOTE_AFTER, NOTE_EVERY, Membership, NodeRendezvous, RendezvousFailed
 from .workers import Worker, WorkerSpec, describe_exit, signal_name, start_worker
 
@@ -90,7 +90,7 @@ class _Interrupted(BaseException):
 
 
 def _say(message: str) -> None:
-    end_open_lines()  # (a worker's unfinished line shown on the console)
+    end_open_line(sys.stderr)  # (a worker's unfinished line shown where this goes)
     try:
         sys.stderr.write(f"distcomm run: {message}\n")
         sys.stderr.flush()

@@ -22,9 +22,9 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
-__all__ = ["LineCopy", "StreamSink", "end_open_lines", "parse_std_spec"]
+__all__ = ["LineCopy", "StreamSink", "end_open_line", "parse_std_spec"]
 
 #: Lines of a worker's stderr kept for the failure report.
 TAIL_LINES = 15
@@ -57,7 +57,7 @@ class LineCopy:
 _open_lines: dict[object, StreamSink] = {}
 
 
-def _console_id(file: BinaryIO | None) -> object:
+def _console_id(file: IO | None) -> object:
     """What ``file`` writes to: the launcher's stdout and stderr on one terminal,
     pipe or file are one console."""
     if file is None:
@@ -69,12 +69,12 @@ def _console_id(file: BinaryIO | None) -> object:
     return (st.st_dev, st.st_ino)
 
 
-def end_open_lines() -> None:
-    """End every open line (the launcher is about to write a message of its own); their
-    rest comes later prefixed again."""
-    for owner in list(_open_lines.values()):
+def end_open_line(file: IO | None) -> None:
+    """End the open line on ``file``'s console, if there is one (the launcher is about to
+    write a message of its own there); its rest comes later prefixed again."""
+    owner = _open_lines.pop(_console_id(file), None)
+    if owner is not None:
         owner._write(b"\n")
-    _open_lines.clear()
 
 
 class StreamSink:

@@ -191,17 +191,18 @@ class NodeRendezvous:
     def _check_deadline(self, deadline: Deadline, full: bool = False) -> None:
         if self.interrupted():
             raise RendezvousFailed("interrupted while waiting for the other nodes")
-        if deadline.expired() and full:
+        if not deadline.expired():
+            return
+        if full:
             raise RendezvousFailed(
                 f"the job ran with all its nodes (--nnodes {self.info['nnodes']}) for the whole "
                 f"join_timeout ({self.join_timeout:g} s), leaving no room for this one"
                 + (f" (--node-rank {self.info['node_rank']} was taken)" if self.static else "")
             )
-        if deadline.expired():
-            raise RendezvousFailed(
-                f"the other nodes did not join within {self.join_timeout:g} s "
-                f"(--nnodes {self.info['nnodes']}; set join_timeout with --rdzv-conf)"
-            )
+        raise RendezvousFailed(
+            f"the other nodes did not join within {self.join_timeout:g} s "
+            f"(--nnodes {self.info['nnodes']}; set join_timeout with --rdzv-conf)"
+        )
 
     def _note_full(self, rnd: int, n: int, deadline: Deadline) -> None:
         """Say that this node waits for a running round with no room to end."""

@@ -269,6 +269,14 @@ def byte_view(data: Any, writable: bool) -> memoryview:
     return view
 
 
+def receive_view(view: memoryview, nbytes: int, shorter: bool) -> memoryview | None:
+    """Where a message of ``nbytes`` goes in a receive's ``view``: all of it, its start (a
+    ``shorter`` receive, :meth:`Channel.irecv`), or None (a size it cannot take)."""
+    if nbytes == len(view):
+        return view
+    return view[:nbytes] if shorter and 0 <= nbytes < len(view) else None
+
+
 class Request(ABC):
     """One posted send or receive."""
 

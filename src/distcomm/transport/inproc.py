@@ -34,7 +34,7 @@ import numpy as np
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError, DistTimeoutError
-from .base import Channel, Request, byte_view, tag_text
+from .base import Channel, Request, byte_view, receive_view, tag_text
 
 __all__ = ["InProcHub", "InProcChannel", "run_threads"]
 
@@ -107,13 +107,12 @@ def _take(queues: dict[int, list[_Request]], tag: int, source: int | None) -> _R
 
 def _deliver(send: _Request, recv: _Request) -> None:
     """Copy a matched message (outside the hub lock) and finish both requests."""
-    src, dst = send.buf, recv.buf
-    if recv.shorter and len(src) < len(dst):
-        dst = dst[: len(src)]
-    if len(src) != len(dst):
+    src = send.buf
+    dst = receive_view(recv.buf, len(src), recv.shorter)
+    if dst is None:
         text = (
             f"message size mismatch: rank {send.rank} sent {len(src)} bytes, "
-            f"rank {recv.rank} expected {len(dst)} bytes ({tag_text(send.tag)})"
+            f"rank {recv.rank} expected {len(recv.buf)} bytes ({tag_text(send.tag)})"
         )
         recv._finish(DistBackendError(text, rank=recv.rank, peer=send.rank))
         send._finish(DistBackendError(text, rank=send.rank, peer=recv.rank))

@@ -204,15 +204,7 @@ class RecvRequest(_Done):
         self.members = members  # process rank -> group rank, for every allowed source
         self.source: int | None = None  # group rank of the sender, once matched
         self.ticks = 0  # the transport's ticks it has been waiting for (see calls_to_tell)
-        self.shorter = False  # a shorter message is taken too (into the start of view)
-
-    def fits(self, nbytes: int) -> memoryview | None:
-        """Where a message of ``nbytes`` goes: the view, its start (``shorter``), or None
-        (another size)."""
-        view = self.view
-        if nbytes == len(view):
-            return view
-        return view[:nbytes] if self.shorter and nbytes < len(view) else None
+        self.shorter = False  # a shorter message is taken too (base.receive_view)
 
     def accepts(self, peer: int) -> bool:
         if self.bound is not None:

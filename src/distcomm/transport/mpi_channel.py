@@ -41,7 +41,7 @@ from typing import Any
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError, DistTimeoutError
-from .base import Channel, Request
+from .base import Channel, Request, receive_view
 from .mpi_watchdog import BlockingWatchdog, abort_mpi_job
 
 __all__ = [
@@ -397,12 +397,13 @@ class _Recv(_MpiRequest):
         MPI = self.channel.rt.MPI
         src = status.Get_source()
         n = status.Get_count(MPI.BYTE)
-        sent, expected = n - (_HEADER if self.hashed else 0), len(self.out)
+        sent = n - (_HEADER if self.hashed else 0)
+        into = receive_view(self.out, sent, self.shorter)
         self.peer = self.source = src
-        if sent != expected and not (self.shorter and 0 <= sent < expected):
+        if into is None:
             self.channel.rt.orphan(msg.Irecv([bytearray(max(n, 1)), n, MPI.BYTE]))  # take it out of MPI
             self.error = DistBackendError(
-                f"{self.channel.describe(src)} sent {sent} bytes but {expected} were expected "
+                f"{self.channel.describe(src)} sent {sent} bytes but {len(self.out)} were expected "
                 f"(tag {self.tag}); the receive buffer must have the message's size",
                 rank=self.channel.rank, peer=src, op="recv",
             )
@@ -411,7 +412,7 @@ class _Recv(_MpiRequest):
             self.temp = bytearray(n)
             self.req = msg.Irecv([self.temp, MPI.BYTE])
         else:
-            self.req = msg.Irecv([self.out[:sent], MPI.BYTE])
+            self.req = msg.Irecv([into, MPI.BYTE])
 
     def _complete(self) -> None:
         if self.temp is not None:

@@ -70,7 +70,7 @@ import numpy as np
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError, DistTimeoutError
 from ..store.base import Store
-from .base import Channel, Request, byte_view, orphaned_error, tag_text
+from .base import Channel, Request, byte_view, orphaned_error, receive_view, tag_text
 from .shm_segment import Segment, open_shared
 from .shm_sync import NAP, _PeerWatch, futex_wait, futex_wake, wait_budget
 
@@ -205,13 +205,7 @@ class _Recv(_Pending):
                  shorter: bool = False) -> None:
         super().__init__(ch, peer, tag, view, len(view))
         self.source: int | None = None
-        self.shorter = shorter  # a shorter message is taken too, into the start of view
-
-    def fits(self, n: int) -> memoryview | None:
-        """Where a message of ``n`` bytes goes: the view, its start, or None (another size)."""
-        if n == self.n:
-            return self.view
-        return self.view[:n] if self.shorter and n < self.n else None
+        self.shorter = shorter  # a shorter message is taken too (base.receive_view)
 
 
 class _Incoming:
@@ -506,7 +500,7 @@ class ShmChannel(Channel):
                     self._unstick()
                 e.early = False
                 req.source = e.src
-                into = req.fits(e.n)
+                into = receive_view(req.view, e.n, req.shorter)
                 if into is None:
                     self._complete(req, self._mismatch(e.src, e.n, req.n, req.tag))
                     if not e.done:
@@ -722,7 +716,7 @@ class ShmChannel(Channel):
                     self._uncount(r)
                     self._rseq[p] = seq
                     r.source = p
-                    into = r.fits(n)
+                    into = receive_view(r.view, n, r.shorter)
                     if into is None:
                         self._complete(r, self._mismatch(p, n, r.n, tag))
                         self._reject(p, seq, r.n)

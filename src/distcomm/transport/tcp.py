@@ -51,7 +51,7 @@ from ..errors import DistBackendError, DistError, DistInputError, DistNetworkErr
 from ..store import auth
 from ..store.base import Store
 from . import tcp_wire as w
-from .base import Channel, Request, collective_tag, is_eager, orphaned_error
+from .base import Channel, Request, collective_tag, is_eager, orphaned_error, receive_view
 from .matching import (
     EAGER_BYTES,
     SENT,
@@ -1150,7 +1150,7 @@ class TcpTransport:
                 if self._matcher.early_bytes > EARLY_BUDGET:
                     p.paused = True
                 return
-        into = None if req is None else req.fits(nbytes)
+        into = None if req is None else receive_view(req.view, nbytes, req.shorter)
         if into is not None:
             if staged:  # all staged (small messages): copy, done
                 if nbytes:
@@ -1628,7 +1628,7 @@ def _completes(req: RecvRequest, _data) -> None:
 
 
 def _fill(req: RecvRequest, data) -> None:
-    into = req.fits(len(data))
+    into = receive_view(req.view, len(data), req.shorter)
     if into is None:
         req.complete(_size_mismatch(req, len(data)))
         return
