@@ -1320,6 +1320,19 @@ def run_p2p(rank: int, world_size: int, backend: str, port: int) -> Report:
                 rep.cases += 1
                 if src != prv:
                     rep.fail(f"{key} any={any_source}: the receive names sender {src}, expected {prv}")
+        # A receive from any rank posted before one from a named rank (same tag, large
+        # messages): the sender's first message fills the first, its second the second.
+        first, second = np.zeros(LARGE_BYTES // 8), np.zeros(LARGE_BYTES // 8)
+        waits = [dist.irecv(first, src=None, tag=32), dist.irecv(second, src=prv, tag=32)]
+        dist.barrier()  # (both are posted before anything is sent)
+        waits += [dist.isend(np.full(LARGE_BYTES // 8, float(rank + i)), dst=nxt, tag=32) for i in (1, 2)]
+        try:
+            for w in waits:
+                w.wait(timeout=20)
+        except dist.DistError as e:
+            rep.fail(f"any-source receive before a named one: {type(e).__name__}: {e}")
+        rep.exact("any-source receive posted first", first, np.full(LARGE_BYTES // 8, float(prv + 1)))
+        rep.exact("named receive posted second", second, np.full(LARGE_BYTES // 8, float(prv + 2)))
         # A large send to a rank that posted its receive and then entered a barrier completes:
         # the barrier's wait gets the receive its message (MPI matches it only when asked).
         big = np.zeros(LARGE_BYTES // 8)

@@ -4,10 +4,11 @@ collective of its own group, and the futures of many point-to-point operations i
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
-from collective_cases import BACKENDS, init, run_world
+from collective_cases import BACKENDS, init, run_world, wait_for
 
 import distcomm as dist
 from distcomm.errors import DistBackendError
@@ -97,4 +98,50 @@ def _many_p2p_futures(rank: int, world_size: int, backend: str, port: int) -> li
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_point_to_point_futures_share_one_thread(backend):
     for bad in run_world(_many_p2p_futures, 2, backend, timeout=45):
+        assert not bad, bad
+
+
+def _future_of_work_finished_elsewhere(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """``result(timeout)`` of a point-to-point future whose Work the group's future thread
+    has just finished, but not yet resolved, gives the value: it does not time out at once."""
+    import distcomm.work as work_module
+
+    init(rank, world_size, backend, port, timeout=20)
+    bad = []
+    peer = 1 - rank
+    if rank == 0:
+        resolve = work_module._resolve
+
+        def slow_resolve(future, result, error):  # widen the window between the two steps
+            time.sleep(0.5)
+            resolve(future, result, error)
+
+        work_module._resolve = slow_resolve
+        try:
+            buf = np.zeros(3)
+            w = dist.irecv(buf, peer, tag=7)
+            fut = w.get_future()  # the future thread drives it: nobody waits here
+            dist.send(np.ones(1), peer, tag=1)  # go
+            if not wait_for(w._done.is_set, 10):
+                bad.append("the receive never finished")
+            try:
+                got = fut.result(timeout=5)
+                if got is not buf or not (buf == 2.0).all():
+                    bad.append(f"result gave {got!r}, buffer {buf}")
+            except Exception as e:  # noqa: BLE001 - reported
+                bad.append(f"result(timeout=5) of a finished receive raised {type(e).__name__}: {e}")
+        finally:
+            work_module._resolve = resolve
+    else:
+        dist.recv(np.zeros(1), peer, tag=1)
+        dist.send(np.full(3, 2.0), peer, tag=7)
+    dist.barrier()
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_result_of_a_future_its_work_finished_elsewhere_waits_for_it(backend):
+    for bad in run_world(_future_of_work_finished_elsewhere, 2, backend, timeout=45):
         assert not bad, bad

@@ -645,7 +645,9 @@ class _RequestFuture(DistFuture):
                 self._work.wait(timeout)
             except BaseException:  # noqa: BLE001 - the future holds the error (or is not done)
                 pass
-            if timeout is not None:
+            if self._work._done.is_set():
+                timeout = None  # the thread that finished the Work is resolving this future now
+            elif timeout is not None:
                 timeout = 0
         return super().result(timeout)
 

@@ -304,14 +304,16 @@ class Matcher:
         return any(req.accepts(peer) for peer, _ in self.early.get((req.group, req.tag), ()))
 
     # -- frames from a peer ---------------------------------------------------
-    def take_for_data(self, peer: int, group: int, tag: int) -> RecvRequest | None:
-        """The posted receive a DATA frame from ``peer`` fills, removed; or None."""
+    def take_for_data(self, peer: int, group: int, tag: int, nbytes: int = 0) -> RecvRequest | None:
+        """The posted receive a DATA frame of ``nbytes`` from ``peer`` fills, removed; or None."""
         key = (group, tag)
         posts = self.posts.get(key)
         if posts:
             for i, req in enumerate(posts):
                 if req.accepts(peer):
                     del posts[i]
+                    if not req.rtr_sent and nbytes > EAGER_BYTES and not is_eager(tag):
+                        _move_grant(posts, peer)
                     if not posts:
                         del self.posts[key]
                     req.source = req.members[peer]
@@ -585,6 +587,16 @@ class Matcher:
                 self.posts[key] = keep
             else:
                 del self.posts[key]
+
+
+def _move_grant(posts: list[RecvRequest], peer: int) -> None:
+    """A granted message from ``peer`` filled an earlier receive than the one granted (one
+    from any source, posted before a large one from ``peer`` that was granted ahead): that
+    grant is spent, so the later receive is granted again when ``peer`` asks (its RTS)."""
+    for req in posts:
+        if req.rtr_sent and not req.rts_seen and req.bound == peer:
+            req.rtr_sent = False
+            return
 
 
 def size_class(nbytes: int) -> int:

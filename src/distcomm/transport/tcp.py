@@ -1141,7 +1141,7 @@ class TcpTransport:
         pos = p.rpos
         staged = p.rhave - pos >= nbytes
         with self._mu:
-            req = self._matcher.take_for_data(p.rank, group, tag)
+            req = self._matcher.take_for_data(p.rank, group, tag, nbytes)
             if req is None and staged and nbytes <= _COPY_BYTES:  # small and early: keep a copy
                 self._matcher.keep_early(p.rank, group, tag, bytes(p.rview[pos : pos + nbytes]))
                 if self._matcher.failing:
@@ -1175,7 +1175,7 @@ class TcpTransport:
 
         def early(data: bytearray) -> None:
             with self._mu:
-                late = self._matcher.take_for_data(p.rank, group, tag)
+                late = self._matcher.take_for_data(p.rank, group, tag, nbytes)
                 if late is None:
                     self._matcher.keep_early(p.rank, group, tag, data)
                     if self._matcher.failing:
