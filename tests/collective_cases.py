@@ -26,6 +26,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1444,6 +1445,11 @@ def _non_member(rep: Report, g: Any, members: list[int], tag: str) -> None:
     _check(rep, dist.get_rank(g) == -1 and dist.get_world_size(g) == -1,
            f"{tag}: non-member get_rank/get_world_size = {dist.get_rank(g)}, {dist.get_world_size(g)}")
     t = np.full(3, 7, np.int64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dist.all_reduce(t, group=g)
+    _check(rep, any("not a member" in str(w.message) and w.filename == __file__ for w in seen),
+           f"{tag}: a non-member's all_reduce did not warn from the caller's line: {[str(w.message) for w in seen]}")
     results = [
         dist.all_reduce(t, group=g), dist.all_reduce(t, group=g, async_op=True),
         dist.broadcast(t, src=members[0], group=g), dist.reduce(t, dst=members[0], group=g),

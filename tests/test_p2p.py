@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from collective_cases import BACKENDS, BIG_WORLD, Report, run_p2p, run_world
+from collective_cases import (
+    BACKENDS,
+    BIG_WORLD,
+    Report,
+    init,
+    process_group,
+    run_p2p,
+    run_world,
+    wait_for,
+)
+
+import distcomm as dist
 
 
 def check_reports(reports: list[Report]) -> None:
@@ -17,3 +29,77 @@ def check_reports(reports: list[Report]) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_point_to_point(backend, world_size):
     check_reports(run_world(run_p2p, world_size, backend, timeout=90))
+
+
+def _failed_receive_polled(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """``is_completed()`` of a receive that failed (the message is longer than its buffer)
+    returns True, as for a failed collective; ``is_success()`` and ``exception()`` tell why."""
+    bad = []
+    init(rank, world_size, backend, port, timeout=20)
+    try:
+        if rank == 0:
+            dist.send(np.arange(5.0), dst=1, tag=4)
+        elif rank == 1:
+            w = dist.irecv(np.zeros(3), src=0, tag=4)
+            try:
+                if not wait_for(w.is_completed, 15):
+                    bad.append("is_completed() never became true")
+            except Exception as e:  # noqa: BLE001 - reported
+                bad.append(f"is_completed() raised {type(e).__name__}: {e}")
+            if w.is_success() or not isinstance(w.exception(), dist.DistBackendError):
+                bad.append(f"is_success() {w.is_success()}, exception() {w.exception()!r}")
+            elif "40 bytes" not in str(w.exception()):
+                bad.append(f"the error does not name the message's size: {w.exception()}")
+    finally:
+        dist.destroy_process_group()  # (the receive's failure broke the group: no barrier)
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_receive_is_completed_without_raising(backend):
+    for bad in run_world(_failed_receive_polled, 2, backend, timeout=45):
+        assert not bad, bad
+
+
+def _numpy_integers_as_ranks(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """Ranks, tags and members given as NumPy integers (``np.arange``, ``argmax``) work as
+    ints do: point-to-point, roots, group ranks and ``new_group`` members."""
+    bad = []
+    with process_group(rank, world_size, backend, port, timeout=20):
+        ws = world_size
+        nxt, prv = np.int64((rank + 1) % ws), np.int32((rank - 1) % ws)
+        buf = np.zeros(2)
+        w = dist.irecv(buf, src=prv, tag=np.uint8(6))
+        dist.send(np.full(2, float(rank)), dst=nxt, tag=np.int64(6))
+        w.wait()
+        if not (buf == (rank - 1) % ws).all():
+            bad.append(f"send/recv with NumPy ranks and tags gave {buf}")
+        x = np.full(3, float(rank))
+        dist.broadcast(x, src=np.int64(ws - 1))
+        if not (x == ws - 1).all():
+            bad.append(f"broadcast from np.int64({ws - 1}) gave {x}")
+        g = dist.new_group(np.arange(ws)[::-1][:2])  # two members, as a NumPy array
+        if rank in (ws - 1, ws - 2):
+            y = np.ones(1)
+            dist.all_reduce(y, group=g)
+            if y[0] != 2 or dist.get_global_rank(g, np.int64(0)) != ws - 2:
+                bad.append(f"new_group of NumPy ranks: all_reduce {y}, group rank 0 is "
+                           f"{dist.get_global_rank(g, np.int64(0))}")
+            if dist.get_group_rank(g, np.int64(ws - 1)) != 1:
+                bad.append("get_group_rank of a NumPy rank")
+        for bad_rank in (np.float64(1.0), True):
+            try:
+                dist.broadcast(x, src=bad_rank)
+                bad.append(f"broadcast(src={bad_rank!r}) was accepted")
+            except dist.DistError as e:
+                if "must be an int" not in str(e):
+                    bad.append(f"broadcast(src={bad_rank!r}): {e}")
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_integers_serve_as_ranks_tags_and_members(backend):
+    for bad in run_world(_numpy_integers_as_ranks, 3, backend, timeout=45):
+        assert not bad, bad

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import operator
 import os
 import threading
 import time
@@ -439,6 +440,17 @@ def get_pg_count() -> int:
         return len(world.groups)
 
 
+def as_integer(value: Any) -> Any:
+    """``value`` as an ``int`` if it is an integer of another type (a NumPy or torch integer,
+    as ``np.arange`` and ``argmax`` give), else unchanged (bool included) for the caller's check."""
+    if value.__class__ is int or isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
 def get_process_group_ranks(group: ProcessGroup | _NonMember | None) -> list[int]:
     """The global ranks of ``group``'s members, in group-rank order."""
     return list(_members(group)[0])
@@ -447,7 +459,8 @@ def get_process_group_ranks(group: ProcessGroup | _NonMember | None) -> list[int
 def get_global_rank(group: ProcessGroup | _NonMember | None, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group``."""
     ranks, _ = _members(group)
-    if not isinstance(group_rank, int) or not 0 <= group_rank < len(ranks):
+    group_rank = as_integer(group_rank)
+    if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < len(ranks):
         raise DistInputError(f"group rank {group_rank!r} is not in [0, {len(ranks)})")
     return ranks[group_rank]
 
@@ -456,7 +469,7 @@ def get_group_rank(group: ProcessGroup | _NonMember | None, global_rank: int) ->
     """The rank in ``group`` of global rank ``global_rank``."""
     ranks, name = _members(group)
     try:
-        return ranks.index(global_rank)
+        return ranks.index(as_integer(global_rank))
     except ValueError:
         raise DistInputError(
             f"global rank {global_rank!r} is not a member of {name} (members: {ranks})"
@@ -556,7 +569,9 @@ def _check_ranks(ranks: Any, world_size: int, sort: bool = True) -> list[int]:
     if ranks is None:
         return list(range(world_size))
     try:
-        members = sorted(ranks) if sort else list(ranks)
+        members = [as_integer(r) for r in ranks]
+        if sort:
+            members.sort()
     except TypeError:
         raise DistTypeError(f"ranks must be a list of ints, got {ranks!r:.80}") from None
     for r in members:

@@ -11,14 +11,16 @@ returned; otherwise the call blocks and returns None.
 from __future__ import annotations
 
 import array
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from . import api as _api
-from .api import GroupMember, _group
+from .api import GroupMember, _group, as_integer
 from .arrays import ArrayRef, as_array, data_address
 from .deadline import Timeout, to_seconds
 from .debug import monitored_barrier as _monitored
@@ -60,8 +62,25 @@ def _member(group: ProcessGroup | None) -> ProcessGroup | None:
         if world is not None and world.default is not None:
             return world.default
     elif group is GroupMember.NON_GROUP_MEMBER:
+        _warn_not_member()
         return None
     return _group(group)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warn_not_member() -> None:
+    """Warn (once per line of the caller's code, Python's default) that the call it made on a
+    group this process is not a member of does nothing, as torch.distributed warns."""
+    frame, level, op = sys._getframe(1), 2, "the call"
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        op = frame.f_code.co_name.lstrip("_")
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{op} on a group that global rank {_api.get_rank()} is not a member of: it does nothing "
+        "(a collective returns None, recv -1)", stacklevel=level,
+    )
 
 
 def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, what: str) -> int:
@@ -69,6 +88,7 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, what
     if rank is not None and group_rank is not None:
         raise DistInputError(f"give {what} or group_{what}, not both")
     if group_rank is not None:
+        group_rank = as_integer(group_rank)
         if isinstance(group_rank, bool) or not isinstance(group_rank, int):
             raise DistTypeError(f"group_{what} must be an int, got {type(group_rank).__name__}")
         if not 0 <= group_rank < pg.size():
@@ -76,6 +96,7 @@ def _group_rank(pg: ProcessGroup, rank: int | None, group_rank: int | None, what
         return group_rank
     if rank is None:
         raise DistInputError(f"{what} is required (a global rank), or give group_{what}")
+    rank = as_integer(rank)
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise DistTypeError(f"{what} must be an int rank, got {type(rank).__name__}")
     if rank not in pg.ranks:
@@ -358,7 +379,7 @@ def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None
     pg = _member(group)
     if pg is None:
         return None
-    return pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), tag)
+    return pg.send(tensor, _group_rank(pg, dst, group_dst, "dst"), as_integer(tag))
 
 
 def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
@@ -381,7 +402,7 @@ def _irecv(tensor: Any, src: int | None, group: ProcessGroup | None, tag: int,
             "rank can send; pass src, or use a group with other members",
             op=op, group=name, rank=pg.ranks[0],
         )
-    return pg.recv(tensor, root, tag)
+    return pg.recv(tensor, root, as_integer(tag))
 
 
 def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
@@ -436,7 +457,7 @@ class P2POp:
         self.tensor = tensor
         self.peer = peer
         self.group = group
-        self.tag = tag
+        self.tag = as_integer(tag)
         self.group_peer = group_peer
 
     def __repr__(self) -> str:

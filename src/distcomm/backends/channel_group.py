@@ -591,7 +591,10 @@ class _RequestWork(Work):
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._req.done():
-            self.wait()
+            try:
+                self.wait()
+            except Exception:  # noqa: BLE001 - it finished with an error: is_success() and exception() tell
+                pass
         return self._done.is_set()
 
     def _new_future(self) -> DistFuture:
