@@ -204,3 +204,34 @@ def test_a_launcher_with_a_node_rank_already_taken_says_so(monkeypatch):
     late = rdzv.NodeRendezvous(_Gone(store, 2), "job", 1, (2, 2), 1, 0.1, 5.0, "run")
     with pytest.raises(rdzv.RendezvousFailed, match="the job ended while this launcher waited"):
         late.join()
+
+
+#: Rank 2 raises; it leaves after the others (its exit waits 3 s after its group is gone),
+#: so the launcher sees another rank's exit first: that rank's error only names rank 2.
+FIRST_ERROR_PROG = """
+import atexit, os, time
+if os.environ["RANK"] == "2":
+    atexit.register(time.sleep, 3)  # (registered first: runs after distcomm's teardown)
+import numpy as np
+import distcomm as dist
+dist.init_process_group("tcp")
+x = np.ones(4)
+dist.all_reduce(x)
+if dist.get_rank() == 2:
+    raise ValueError("bad batch on rank 2")
+dist.all_reduce(x)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_report_names_the_rank_whose_error_came_first(tmp_path):
+    prog = write(tmp_path, "first.py", FIRST_ERROR_PROG)
+    done = subprocess.run([*RUN, "--nproc-per-node", "3", prog], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    err = done.stderr
+    assert done.returncode == 1, err
+    report = err[err.index("no restarts left"):]
+    assert "exited with code 1; no restarts left" in err, err
+    assert "the first error was rank 2's (local rank 2, pid " in report, err
+    assert "): ValueError: bad batch on rank 2\nlast lines of rank 2's stderr:\n" in report, err
+    assert report.rstrip().endswith("ValueError: bad batch on rank 2"), err

@@ -32,6 +32,7 @@ from .errors import (
     DistTypeError,
 )
 from .group import ProcessGroup
+from .launch import error_record as _error_record
 from .store import PrefixStore, Store, auth
 from .store.rendezvous import rendezvous
 from .store.watched import WatchedStore
@@ -229,6 +230,7 @@ def init_process_group(
                 "call destroy_process_group() before initialising again"
             )
         _debug.before_init()
+        _error_record.install()  # (under a launcher that asks for it)
         started = time.monotonic()
         name, factory = resolve_backend(backend, DEFAULT_BACKEND)
         seconds = to_seconds(default_pg_timeout if timeout is None else timeout)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import socket
 import sys
@@ -45,6 +46,7 @@ from ..errors import (
 )
 from ..store import TCPStore, auth
 from ..transport.tcp_wire import HOST_VAR
+from . import error_record
 from .args import RunConfig
 from .output import LineCopy, StreamSink, end_open_line
 from .rdzv import NOTE_AFTER, NOTE_EVERY, Membership, NodeRendezvous, RendezvousFailed
@@ -122,6 +124,7 @@ class Agent:
         self.wake_r, self.wake_w = socket.socketpair()
         self.log_root: str | None = None
         self.copies: dict[str, LineCopy] = {}  # stream -> this attempt's filtered_*.log
+        self.error_dir: str | None = None  # the workers' error records (error_record)
 
     # -- signals -------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -173,6 +176,8 @@ class Agent:
             self.raise_on_signal = False
             self._stop_workers(signal.SIGKILL, 0)
             self._close_copies()
+            if self.error_dir is not None:
+                shutil.rmtree(self.error_dir, ignore_errors=True)
             if self.store is not None:
                 self.store.close()
             self.sel.close()
@@ -294,7 +299,36 @@ class Agent:
             env["LOCAL_RANK"] = "0"
         if cfg.local_addr:
             env.setdefault(HOST_VAR, cfg.local_addr)  # the address the workers publish
+        path = self._error_path(rank)
+        if path is not None:
+            env[error_record.ENV_VAR] = path
         return env
+
+    def _error_path(self, rank: int) -> str | None:
+        """Where the worker of ``rank`` records its uncaught error in this attempt (the
+        directory is made on first use and removed when the launcher ends); None if it
+        cannot be made (the report then names the first worker that exited)."""
+        if self.error_dir is None:
+            try:
+                self.error_dir = tempfile.mkdtemp(prefix="distcomm-errors-")
+            except OSError:
+                return None
+        return os.path.join(self.error_dir, f"attempt{self.attempt}-rank{rank}.json")
+
+    def _first_error(self, w: Worker, noticed: float) -> tuple[Worker, dict] | None:
+        """The worker of this node whose own error (not one naming another rank as its
+        cause) came first, before ``noticed`` (when ``w``'s exit was seen: what the workers
+        raised once stopped does not count), with its record, if that is not ``w``."""
+        own = []
+        for x in self.workers:
+            path = self._error_path(x.spec.rank)
+            record = error_record.read(path) if path is not None else None
+            if record is not None and record.get("peer") is None and record["time"] <= noticed:
+                own.append((record["time"], x.spec.rank, x, record))
+        if not own:
+            return None
+        _, _, first, record = min(own, key=lambda item: item[:2])
+        return None if first is w else (first, record)
 
     def _log_path(self, *parts: str) -> str:
         """A path in this attempt's log directory (made on first use: a new directory for
@@ -548,6 +582,7 @@ class Agent:
     def _failed(self, m: Membership, w: Worker) -> int | None:
         code = w.returncode
         assert code is not None
+        noticed = time.time()
         what = f"rank {w.spec.rank} (local rank {w.spec.local_rank}, pid {w.pid}) {describe_exit(code)}"
         others = sum(1 for x in self.workers if x.returncode is None)
         # Ranks that had left (code 0) before: a peer waiting for them waits in vain.
@@ -572,6 +607,13 @@ class Agent:
             return None
         tail = w.stderr.tail_text()
         report = [f"{what}; no restarts left (--max-restarts {self.cfg.max_restarts})"]
+        first = self._first_error(w, noticed)
+        if first is not None:  # w failed because of another rank's error: show that one
+            x, record = first
+            report.append(f"the first error was rank {x.spec.rank}'s (local rank {x.spec.local_rank}, "
+                          f"pid {x.pid}): {record['type']}: {record['message']}")
+            w = x
+            tail = w.stderr.tail_text()
         if gone:
             ranks = f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}"
             them = "them" if len(gone) > 1 else "it"
