@@ -64,6 +64,7 @@ BAD = {  # rank1.json's content -> what the warning says is wrong with it
     "rank_outside_the_world": (_dump(1, [], world_size=1), "'rank' is 1, not a rank from 0 to 0"),
     "rank_not_an_int": ({**_dump(1, []), "rank": "1"}, "'rank' is \"1\""),
     "no_rank": ({**_dump(1, []), "rank": None}, "the dump has no rank"),
+    "no_world_size": ({**_dump(1, []), "world_size": None}, "the dump has no 'world_size'"),
     "stacks_not_text": (_dump(1, [], stacks={"MainThread (1)": 5}), "'stacks' is"),
     "not_an_object": ("[1, 2]", "not a dump: the file holds [1, 2], not a JSON object"),
     "too_deeply_nested": ("[" * 100000 + "]" * 100000, ""),  # RecursionError in json: still a warning
@@ -161,3 +162,22 @@ def test_dumps_of_another_run_are_left_out(tmp_path, capsys):
     assert "warning: left out rank1.json: it is from another run (run id old, written " in out, out
     assert "than the newest dumps (run id new)" in out, out
     assert "warning: left out rank0-copy.json: rank0.json is a newer dump of rank 0" in out, out
+
+
+def test_a_stray_file_with_a_rank_outside_the_world_is_skipped(tmp_path, capsys):
+    # a 2-rank run's dumps, and a file that only names a rank
+    _good(tmp_path)
+    _write(tmp_path, "rank1.json", _dump(1, [_entry(1), _entry(2, state="started")]))
+    _write(tmp_path, "rank5.json", {"rank": 5})
+    rc, out, err = _run(capsys, tmp_path)
+    assert rc == 0, err
+    assert "2 ranks; dumps from ranks 0, 1\n" in out and "rank 5" not in out.replace("rank5.json", ""), out
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning:")]
+    assert warnings == ["warning: cannot read rank5.json: the dump has no 'world_size' (not a flight-recorder "
+                        "dump?)"], out
+    # one that gives a world of its own is left out too, whichever is newer
+    _write(tmp_path, "rank5.json", {"rank": 5, "world_size": 8, "time": 3000.0})
+    rc, out, err = _run(capsys, tmp_path)
+    assert rc == 0 and "2 ranks; dumps from ranks 0, 1\n" in out, out
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning:")]
+    assert warnings == ["warning: left out rank5.json: it says the world has 8 ranks where the other dumps say 2"], out

@@ -12,7 +12,8 @@
 * ranks that wrote no dump, and those the others' errors say exited;
 * when the dumps record no operation that explains it, the groups they say broke.
 
-Dumps of another run than the newest in the directory are left out, with a warning.
+Dumps of another run than the newest in the directory, and those that give another world
+size than most, are left out, with a warning.
 
 It returns a :class:`Report`: ``findings`` (one dict per fact, for programs)
 and ``text()`` in plain words, the likely cause first.
@@ -24,11 +25,13 @@ import json
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .flight_recorder import PACKAGE_DIR
+from .recorder import DEFAULT_SIZE as DEFAULT_RING
 
 __all__ = ["load", "analyze", "Report", "MAX_WORLD_SIZE"]
 
@@ -42,6 +45,23 @@ _COMPARED = ("op", "shape", "dtype", "root", "reduce_op")
 _OWN_SHAPE = ("all_to_all", "all_to_all_single")
 _MAX_MISMATCHES = 5  # collectives with different arguments listed per group
 _GAVE_UP = "gave up on the group"  # an error caused by another rank's failure
+#: Collectives no rank completes before every member entered them (each rank's result needs
+#: every rank's input); those the root completes only then (it receives from every rank); and
+#: those a rank other than the root completes only after the root entered them.
+_FROM_ALL = frozenset({"all_reduce", "all_gather", "all_gather_coalesced", "all_gather_into_tensor",
+                       "all_gather_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+                       "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor"})
+_TO_ROOT = frozenset({"reduce", "gather"})
+_FROM_ROOT = frozenset({"broadcast", "scatter"})
+#: How errors say that the ranks' calls differ (transport/base.py, backends/shm_collectives.py,
+#: the transports' size checks; DISTCOMM_DEBUG=DETAIL's DistDesyncError): the sentence before
+#: the first ends, after the last ": ", in the words of the rank that raised it.
+_DIFFER_ENDS = (": the ranks' calls differ", ": the ranks passed arrays of different sizes")
+_DETAIL_SAYS = "DISTCOMM_DEBUG=DETAIL found that the ranks disagree: "
+#: The rank whose words follow, in an error that relays another rank's ("failed on rank 2: ...").
+_SAYER = re.compile(r"(?:failed on rank (\d+)(?: \(group rank \d+\))?|rank (\d+)(?: \(group rank \d+\))? "
+                    r"gave up on the group): ")
+_NAMED = re.compile(r"(?<!group )\branks? (\d+(?:, \d+)*)")  # global ranks a sentence names
 _RANK_RE = r"rank (\d+)(?: \(group rank \d+\))?"
 #: What errors say when a rank's process is gone (the transports' words).
 _EXITED = re.compile(rf"{_RANK_RE}(?:'s memory failed:|:| never connected and no longer listens at \S+:) "
@@ -111,15 +131,22 @@ def load(directory: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
 
 def _one_run(found: list[tuple[str, dict[str, Any]]], errors: list[str]) -> dict[int, dict[str, Any]]:
     """The dumps of the newest run (the run of the newest dump; a dump without a run id goes
-    with any), each rank's newest; each dump left out is listed in ``errors``, saying why."""
+    with any) that give the world size most of them give, each rank's newest; each dump left
+    out is listed in ``errors``, saying why."""
     found = sorted(found, key=lambda f: f[1].get("time") or 0.0, reverse=True)  # newest first
     run = next((d["run_id"] for _, d in found if d.get("run_id") is not None), None)
+    # the world size of the run: the one most of its dumps give (of those, the newest dump's)
+    sizes = Counter(d["world_size"] for _, d in found if d.get("run_id") in (None, run))
+    world = sizes.most_common(1)[0][0] if sizes else None
     kept: dict[int, tuple[str, dict[str, Any]]] = {}
     for name, d in found:
         rank = d["rank"]
         if d.get("run_id") not in (None, run):
             errors.append(f"left out {name}: it is from another run (run id {d['run_id']}, written "
                           f"{_clock(d)}) than the newest dumps (run id {run})")
+        elif d["world_size"] != world:
+            errors.append(f"left out {name}: it says the world has {d['world_size']} ranks where the other "
+                          f"dumps say {world}")
         elif rank in kept:
             errors.append(f"left out {name}: {kept[rank][0]} is a newer dump of rank {rank}")
         else:
@@ -191,10 +218,12 @@ def _checked(d: Any) -> dict[str, Any]:
     if d.get("rank") is None:
         raise ValueError("the dump has no rank (written before init_process_group?)")
     size = d.get("world_size")
-    if size is not None and not (_nat(size, MAX_WORLD_SIZE + 1) and size > 0):
+    if size is None:  # the writer records it with the rank: a file without it is no dump
+        raise ValueError("the dump has no 'world_size' (not a flight-recorder dump?)")
+    if not (_nat(size, MAX_WORLD_SIZE + 1) and size > 0):
         raise ValueError(f"'world_size' is {_show(size)}, not a number of ranks from 1 to {MAX_WORLD_SIZE}")
-    if not _nat(d["rank"], size or MAX_WORLD_SIZE):
-        raise ValueError(f"'rank' is {_show(d['rank'])}, not a rank from 0 to {(size or MAX_WORLD_SIZE) - 1}")
+    if not _nat(d["rank"], size):
+        raise ValueError(f"'rank' is {_show(d['rank'])}, not a rank from 0 to {size - 1}")
     _fields(d, _DUMP, "")
     for key, spec, required in (("entries", _ENTRY, ("group", "op", "state")), ("groups", _GROUP, ("name",))):
         d[key] = d.get(key) or []
@@ -246,17 +275,31 @@ def _root_error(errors: list[str | None]) -> str | None:
 
 def _where(dump: dict[str, Any]) -> str | None:
     """The innermost frame of the main thread outside distcomm (and its line), from the dump's stacks."""
+    at = _position(dump)
+    return at[0] if at else None
+
+
+def _position(dump: dict[str, Any]) -> tuple[str, str | None] | None:
+    """Where the dump's main thread is, from its stacks: its innermost frame outside distcomm
+    (and its line), and the distcomm function it called from there (None: not in distcomm);
+    None without a main thread's stack.  The dump writer's own frames (a SIGUSR1 handler) are
+    left out."""
     package = (dump.get("package_dir") or PACKAGE_DIR).rstrip(os.sep) + os.sep
+    writer = f'File "{package}debug{os.sep}flight_recorder.py"'
     for name, stack in dump["stacks"].items():
         if not name.startswith("MainThread"):
             continue
         lines = [ln.strip() for ln in stack.splitlines()]
         frames = [(ln, lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else "")
                   for i, ln in enumerate(lines) if ln.startswith("File ")]
-        outside = [f for f in frames if not f[0].startswith(f'File "{package}') and "/threading.py" not in f[0]]
+        frames = frames[:next((i for i, f in enumerate(frames) if f[0].startswith(writer)), len(frames))]
+        outside = [i for i, f in enumerate(frames)
+                   if not f[0].startswith(f'File "{package}') and "/threading.py" not in f[0]]
         if outside:
-            frame, code = outside[-1]
-            return f"{frame}: {code}" if code else frame
+            frame, code = frames[outside[-1]]
+            inner = frames[outside[-1] + 1][0] if outside[-1] + 1 < len(frames) else ""
+            called = re.search(r", in (\S+)$", inner) if inner.startswith(f'File "{package}') else None
+            return (f"{frame}: {code}" if code else frame), (called[1] if called else None)
     return None
 
 
@@ -305,6 +348,7 @@ def analyze(directory: str) -> Report:
     _p2p(report, dumps, groups)
     if not report.causes:
         _broken(report, dumps)
+    _unrecorded(report, dumps)
     _dump_list(report, dumps)
     if missing:
         gone = [r for r in missing if r in dead]
@@ -331,15 +375,20 @@ def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[
     members: list[int] = g["ranks"] or sorted(
         r for r, d in dumps.items() if any(e["group"] == name for e in d["entries"])
     )
+    # ranks whose recorder was off record nothing: neither present nor absent anywhere
+    off = [r for r in members if r in dumps and _recorder_off(dumps[r])]
     # per rank: seq -> entry (collectives of this group only)
     seen: dict[int, dict[int, dict[str, Any]]] = {}
     for r in members:
-        if r in dumps:
+        if r in dumps and r not in off:
             seen[r] = {e["seq"]: e for e in dumps[r]["entries"] if e["group"] == name and e.get("seq") is not None}
     body: list[str] = []
     title = f"Group {name!r} ({_ranks(members)}, backend {g['backend']}):"
     if conflict:
         body.append(report.add("members", conflict, group=name, views={str(r): v for r, v in g["views"].items()}))
+    if off:
+        body.append(report.add("unrecorded", f"{_ranks(off)} recorded no operation ({_their(off)} flight recorder "
+                               "was off)", group=name, ranks=off))
     mismatched = _order(report, body, name, members, seen)
     frontier = _frontier(seen)
     if frontier is None:
@@ -380,42 +429,113 @@ def _group(report: Report, dumps: dict[int, dict[str, Any]], name: str, g: dict[
     if passed:
         body.append(report.add("passed", f"{_ranks(passed)} completed {_common_call([at[r] for r in passed], members)}",
                                group=name, ranks=passed))
+    entered = _entered(at, passed, members)
     for r in lost:
-        body.append(report.add("no_dump", f"rank {r} wrote no dump" + (" (its process exited)" if r in dead else ""),
+        known = f" (it must have entered this collective: {_ranks(passed)} completed it)" \
+            if r in entered and r not in dead else ""
+        body.append(report.add("no_dump", f"rank {r} wrote no dump" + (" (its process exited)" if r in dead else known),
                                group=name, rank=r))
     if conflict or frontier in mismatched:
         report.sections.append((title, body))  # the disagreement found above is the cause
         return
     err = _root_error([at[r].get("error") for r in failed])
-    for ranks, text in _verdicts(name, call, stuck + failed + passed, absent, lost, dead, failed, stuck, err):
+    told = _told_cause([(r, at[r].get("error")) for r in failed])
+    verdicts = []
+    if told is not None:
+        sayer, sentence, named = told
+        verdicts.append((named, f"{sentence} (on group {name!r}, as rank {sayer}'s error in {_call(at[sayer], members)} "
+                         "says)"))
+        entered |= set(named)  # a rank the error says called something at this point got there
+    verdicts += _verdicts(name, call, stuck, failed, passed, absent, lost, dead, entered, err, told is not None)
+    for ranks, text in verdicts:
         report.causes.append(report.add("cause", text, group=name, ranks=ranks, seq=frontier))
     report.sections.append((title, body))
 
 
-def _verdicts(name: str, call: str, waiting: list[int], absent: list[int], lost: list[int], dead: set[int],
-              failed: list[int], stuck: list[int], err: str | None) -> list[tuple[list[int], str]]:
-    """The likely causes at a group's frontier ``call``: (the ranks to blame, one sentence)."""
+def _recorder_off(dump: dict[str, Any]) -> bool:
+    """Whether the dump records no operation because its rank's flight recorder was off."""
+    return dump.get("recorder_size") == 0 and not dump["entries"]
+
+
+def _their(ranks: list[int]) -> str:
+    return _plural(ranks, "its", "their")
+
+
+def _entered(at: dict[int, dict[str, Any]], passed: list[int], members: list[int]) -> set[int]:
+    """The members that must have entered the collective of ``at`` (each rank's entry of it),
+    as ``passed`` completed it: every member, for a collective no rank completes before all
+    entered it; its root, for a broadcast a rank other than the root completed."""
+    known = set(passed)
+    for r in passed:
+        e = at[r]
+        root = _global(members, e.get("root"))
+        if e["op"] in _FROM_ALL or (e["op"] in _TO_ROOT and r == root):
+            known.update(members)
+        elif e["op"] in _FROM_ROOT and root is not None and r != root:
+            known.add(root)
+    return known
+
+
+def _told_cause(errors: list[tuple[int, str | None]]) -> tuple[int, str, list[int]] | None:
+    """The first of the ranks' ``errors`` (rank, error) that itself says how the ranks' calls
+    differ (its own finding first, then one relayed from another rank): (the rank, what it
+    says, in the words of no rank in particular, and the ranks it names); else None."""
+    for r, error in sorted(((r, e) for r, e in errors if e), key=lambda x: _GAVE_UP in x[1]):
+        ends = [(i, end) for end in _DIFFER_ENDS if (i := error.find(end)) >= 0]
+        if ends:
+            i, end = min(ends)
+            start = error.rfind(": ", 0, i) + 2 if ": " in error[:i] else 0
+            sentence = error[start : i + len(end)]
+        elif _DETAIL_SAYS in error:
+            start = error.index(_DETAIL_SAYS)
+            sentence = error[start:]
+        else:
+            continue
+        sayers = list(_SAYER.finditer(error, 0, start))
+        me = int(next(g for g in sayers[-1].groups() if g)) if sayers else r
+        sentence = re.sub(r"\bthis rank\b", f"rank {me}", sentence)
+        named = sorted({int(n) for m in _NAMED.finditer(sentence) for n in m[1].split(", ")})
+        return r, sentence, named
+    return None
+
+
+def _verdicts(name: str, call: str, stuck: list[int], failed: list[int], passed: list[int], absent: list[int],
+              lost: list[int], dead: set[int], entered: set[int], err: str | None,
+              explained: bool) -> list[tuple[list[int], str]]:
+    """The likely causes at a group's frontier ``call``: (the ranks to blame, one sentence).
+    ``entered``: the ranks known to have entered it (though they wrote no dump); ``err``: the
+    failed ranks' error; ``explained``: a failed rank's error said why already (the causes
+    then only add what the dumps show besides)."""
+    if explained:
+        err = None
     the_error = f"; the error: {err}" if err else ""
+    waiting = stuck + failed + passed
     if absent and waiting:
         return [(absent, f"{_ranks(absent)} never entered {call} on group {name!r}, which {_ranks(waiting)} entered"
                  + (f" (the error: {err})" if err else ""))]
-    if lost and waiting:
-        entered = f"{_ranks(waiting)} entered {call} on group {name!r} and " \
-            f"{'failed' if failed else _plural(waiting, 'waits there', 'wait there')}"
-        gone = [r for r in lost if r in dead]
-        unknown = [r for r in lost if r not in dead]
+    gone = [r for r in lost if r in dead]
+    # without a dump, a rank not known to have got there probably did not, unless an error
+    # explained the failure already
+    unknown = [] if explained else [r for r in lost if r not in dead and r not in entered]
+    if (gone or unknown) and (stuck or failed):
+        fates = [(rs, word) for rs, word in ((failed, "failed"), (stuck, _plural(stuck, "waits there", "wait there")),
+                                             (passed, "completed it")) if rs]
+        there = f"{_ranks(waiting)} entered {call} on group {name!r} "
+        there += f"and {fates[0][1]}" if len(fates) == 1 else "(" + ", ".join(f"{_ranks(rs)} {w}" for rs, w in fates) + ")"
         verdicts = []
         if gone:
-            verdicts.append((gone, f"{_ranks(gone)} died (the errors say {_its(gone)} exited), and {entered}"
-                             f"{the_error}"))
+            verdicts.append((gone, f"{_ranks(gone)} died (the errors say {_its(gone)} exited), and {there}{the_error}"))
         if unknown:
-            verdicts.append((unknown, f"{_ranks(unknown)} wrote no dump, and {entered}: {_ranks(unknown)} probably "
+            verdicts.append((unknown, f"{_ranks(unknown)} wrote no dump, and {there}: {_ranks(unknown)} probably "
                              f"never entered it (dead, or stuck elsewhere){the_error}"))
         return verdicts
+    if explained:
+        return []
+    done = f", which {_ranks(passed)} completed" if passed else ""
     if failed:
-        return [(failed, f"{call} on group {name!r} failed on {_ranks(failed)}: {err}")]
+        return [(failed, f"{call} on group {name!r} failed on {_ranks(failed)}{done}: {err}")]
     if stuck:
-        return [(stuck, f"{_ranks(stuck)} {_plural(stuck, 'is', 'are')} stuck in {call} on group {name!r}")]
+        return [(stuck, f"{_ranks(stuck)} {_plural(stuck, 'is', 'are')} stuck in {call} on group {name!r}{done}")]
     return []
 
 
@@ -480,8 +600,9 @@ def _order(report: Report, body: list[str], name: str, members: list[int],
         if kind == "orders":
             break
     if len(found) > _MAX_MISMATCHES:
-        body.append(report.add("mismatch_more", f"and {len(found) - _MAX_MISMATCHES} more collectives with "
-                               "different arguments", group=name, seqs=found[_MAX_MISMATCHES:]))
+        more = len(found) - _MAX_MISMATCHES
+        body.append(report.add("mismatch_more", f"and {more} more {'collective' if more == 1 else 'collectives'} "
+                               "with different arguments", group=name, seqs=found[_MAX_MISMATCHES:]))
     return set(found)
 
 
@@ -564,10 +685,42 @@ def _broken(report: Report, dumps: dict[int, dict[str, Any]]) -> None:
             f"{_root_error([by_rank[r] for r in ranks])}", group=name, ranks=ranks))
 
 
+def _unrecorded(report: Report, dumps: dict[int, dict[str, Any]]) -> None:
+    """For ranks whose flight recorder was off: where each is, from the stacks in its dump, and
+    as the likely cause, when nothing else explains the dumps, that they cannot tell more."""
+    off = [r for r, d in sorted(dumps.items()) if _recorder_off(d)]
+    if not off:
+        return
+    at = {r: pos for r in off if (pos := _position(dumps[r])) is not None}
+    body, inside, outside = [], {}, []
+    for r, (where, function) in at.items():
+        if function:
+            inside.setdefault(function, []).append(r)
+            text = f"rank {r} is in distcomm's {function}, called at {where}"
+        else:
+            outside.append(f"rank {r} is outside distcomm, at {where}")
+            text = outside[-1]
+        body.append(report.add("position", text, rank=r, at=where, function=function))
+    if not report.causes:
+        report.causes.append(report.add(
+            "recorder_off", f"the flight recorder was off on {_ranks(off)} (DISTCOMM_FLIGHT_RECORDER_SIZE=0): "
+            f"{_their(off)} {_plural(off, 'dump records', 'dumps record')} no operation, so the analysis cannot "
+            "tell which collective is stuck or which rank did not enter it; unset DISTCOMM_FLIGHT_RECORDER_SIZE (the "
+            f"recorder then keeps the last {DEFAULT_RING} operations) or set it above 0, and run again"
+            + ("; meanwhile the stacks say where each rank is (below)" if at else ""), ranks=off))
+        if at:
+            report.causes.append(report.add("positions", "from the stacks: " + "; ".join(
+                [f"{_ranks(rs)} {_plural(rs, 'is', 'are')} in distcomm's {f}" for f, rs in inside.items()]
+                + outside), ranks=list(at)))
+    if body:
+        report.sections.append(("Where each rank is (from the stacks in its dump):", body))
+
+
 def _dump_list(report: Report, dumps: dict[int, dict[str, Any]]) -> None:
     body = []
     for r, d in sorted(dumps.items()):
         off = ", recorder off" if d.get("recorder_size") == 0 else ""
+        n = len(d["entries"])
         body.append(f"rank {r} (pid {d.get('pid')} on {d.get('host')}, {_clock(d)}, "
-                    f"{len(d['entries'])} entries{off}): {d.get('reason')}")
+                    f"{n} {'entry' if n == 1 else 'entries'}{off}): {d.get('reason')}")
     report.sections.append(("Dumps:", body))
