@@ -18,7 +18,13 @@ import pytest
 from collective_cases import BACKENDS, init, real_backend, run_world, wait_for
 
 import distcomm as dist
-from distcomm.errors import DistBackendError, DistInputError, DistTypeError
+from distcomm.errors import (
+    DistBackendError,
+    DistDesyncError,
+    DistInputError,
+    DistTimeoutError,
+    DistTypeError,
+)
 from distcomm.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -371,3 +377,48 @@ def test_shrink_twice(backend):
         results = run_ranks(_shrink_twice, 4, backend, server.port, timeout=90)
     for rank, bad in enumerate(results):
         assert bad == [], f"rank {rank}: " + "; ".join(bad)
+
+
+def _shrinks_that_disagree(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Ranks 0 and 3 exclude rank 2, rank 2 excludes rank 1 (which stays out of it): each
+    caller fails at once, naming the disagreement, and the default group stays as it was;
+    then ranks 0, 1 and 3 exclude rank 2 while rank 1 is late: they fail naming it."""
+    init(rank, world_size, backend, port, timeout=4)
+    out: dict = {}
+    try:
+        if rank != 1:
+            t0 = time.monotonic()
+            try:
+                dist.shrink_group([1] if rank == 2 else [2])
+                out["first"] = "shrunk"
+            except DistDesyncError as e:
+                out["first"] = str(e)
+            out["first_seconds"] = time.monotonic() - t0
+        out["size"] = dist.get_world_size()
+        dist.barrier()  # the default group still works, rank 1 included
+        if rank in (0, 3):
+            try:
+                dist.shrink_group([2])
+                out["second"] = "shrunk"
+            except DistTimeoutError as e:
+                out["second"] = str(e)
+        dist.barrier(timeout=30)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_that_exclude_different_ranks_fail_instead_of_making_a_wrong_group(backend):
+    results = run_world(_shrinks_that_disagree, 4, backend, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["size"] == 4, r
+        if rank == 1:
+            continue
+        mine, theirs = ("[1]", "[2]") if rank == 2 else ("[2]", "[1]")
+        assert f"excludes {theirs} where this rank (rank {rank}) excludes {mine}; every remaining rank " \
+               "must exclude the same ranks" in r["first"], r
+        assert r["first_seconds"] < 4, r  # at once, not at the group timeout
+        if rank in (0, 3):
+            assert "rank 1 did not call shrink_group within 4 s; if it is gone too, exclude it as well" \
+                in r["second"], r

@@ -165,6 +165,7 @@ class ProcessGroup:
         self._inline_deadline = Deadline(timeout)  # see _run_claimed
         self._broken: BaseException | None = None
         self._closed = False
+        self.shrinks = 0  # shrink_group calls made of it (each meets under its own store keys)
 
     # -- identity ------------------------------------------------------------------
     def rank(self) -> int:

@@ -23,16 +23,19 @@ from typing import Any
 
 from . import api
 from .backend_registry import resolve_backend
+from .deadline import Deadline
 from .debug import hooks as _debug
 from .errors import (
     DistBackendError,
+    DistDesyncError,
     DistInputError,
     DistNetworkError,
     DistStoreError,
+    DistTimeoutError,
     DistTypeError,
 )
 from .group import ProcessGroup
-from .store import PrefixStore
+from .store import PrefixStore, Store
 
 __all__ = ["shrink_group", "SHRINK_DEFAULT", "SHRINK_ABORT"]
 
@@ -70,7 +73,10 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
             f"{sorted(excluded)})", group=pg.group_name,
         ))
     if pg is world.default:
-        return _shrink_world(world, remaining)
+        return _shrink_world(world, remaining, sorted(excluded))
+    pg.shrinks += 1  # (a failed attempt's number is not used again)
+    _agree(PrefixStore(f"distcomm/{world.generation}/shrink/{pg.group_name}/{pg.shrinks}", world.base_store),
+           pg, sorted(excluded))
     desc = f"shrunk:{pg.group_name}"
     new = api.new_group([pg.ranks[r] for r in remaining], timeout=pg.timeout, backend=pg.backend_name,
                         use_local_synchronization=True, group_desc=desc)
@@ -108,7 +114,43 @@ def _check_excluded(ranks: Any, pg: ProcessGroup) -> set[int]:
     return seen
 
 
-def _shrink_world(world: Any, remaining: list[int]) -> ProcessGroup:
+def _agree(store: Store, pg: ProcessGroup, excluded: list[int]) -> None:
+    """Wait until every rank remaining in ``pg`` called shrink_group, naming the same
+    ``excluded`` ranks (in ``store``, this shrink's own keys); a rank that names others
+    fails it on every caller at once, a rank that never calls it after ``pg``'s timeout."""
+    me, mine = pg.rank(), ",".join(map(str, excluded))
+    remaining = [r for r in range(pg.size()) if r not in excluded]
+    store.append("agree", f"{me}:{mine};")
+    deadline = Deadline(pg.timeout)
+    nap = 0.002
+    while True:
+        seen = dict(item.split(":") for item in store.get("agree").decode().split(";") if item)
+        for r, theirs in sorted(seen.items(), key=lambda item: int(item[0])):
+            if theirs != mine:
+                raise DistDesyncError(
+                    f"shrink_group of group {pg.group_name!r}: rank {r} excludes [{theirs}] where this rank "
+                    f"(rank {me}) excludes [{mine}]; every remaining rank must exclude the same ranks",
+                    group=pg.group_name, peer=pg.ranks[int(r)],
+                )
+        late = [r for r in remaining if str(r) not in seen]
+        if not late:
+            return
+        if deadline.expired():
+            raise DistTimeoutError(
+                f"shrink_group of group {pg.group_name!r}: {_ranks(late)} did not call shrink_group within "
+                f"{pg.timeout:g} s; if {'they are' if len(late) > 1 else 'it is'} gone too, exclude "
+                f"{'them' if len(late) > 1 else 'it'} as well",
+                group=pg.group_name, timeout=pg.timeout,
+            )
+        time.sleep(min(nap, max(deadline.remaining(), 0.0)))
+        nap = min(2 * nap, 0.05)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _shrink_world(world: Any, remaining: list[int], excluded: list[int]) -> ProcessGroup:
     """The default group's shrink: a new world of the ``remaining`` ranks (see the module)."""
     old = world.default
     rank = remaining.index(old.rank())
@@ -124,6 +166,7 @@ def _shrink_world(world: Any, remaining: list[int]) -> ProcessGroup:
             f"ranks (`distcomm run` hosts it in the launcher; with init_method env:// or tcp:// "
             f"rank 0 does)"
         ) from e
+    _agree(store, old, excluded)
     new = api._World(world.generation, store, rank, len(remaining), world.backend, world.base_store, tag)
     new.shrinks = shrinks
     started = time.monotonic()
