@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import numpy as np
@@ -121,6 +122,13 @@ def test_ring_size_from_environment(monkeypatch):
         monkeypatch.setenv(recorder.ENV_SIZE, "0")
         recorder.configure()
         assert recorder.ring is None
+        for bad in ("abc", "-5", "1.5"):
+            monkeypatch.setenv(recorder.ENV_SIZE, bad)
+            with pytest.warns(RuntimeWarning, match=rf"^DISTCOMM_FLIGHT_RECORDER_SIZE='{re.escape(bad)}' is not a "
+                              r"number of entries \(0 or more; 0 turns the flight recorder off\): the recorder "
+                              r"keeps the last 2000$"):
+                recorder.configure()
+            assert recorder.ring.maxlen == recorder.DEFAULT_SIZE
     finally:
         monkeypatch.delenv(recorder.ENV_SIZE)
         recorder.configure()

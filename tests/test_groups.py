@@ -233,3 +233,32 @@ def test_functions_take_a_group_without_a_default_group():
     results = run_ranks(_group_without_world, 2, free_port(), timeout=50)
     for rank, got in enumerate(results):
         assert got == [[3.0] * 3, [1.0] * 2, rank, 2, False], (rank, got)
+
+
+def _skips_a_new_group(rank: int, world_size: int, backend: str, port: int) -> str:
+    """Rank 2 skips ``new_group([0, 1])``: the ranks' next new_group calls pair up wrongly
+    (the names count the calls), which the members find, naming both lists of ranks."""
+    init(rank, world_size, backend, port, timeout=20)
+    try:
+        if rank != 2:
+            dist.new_group([0, 1])
+        g = dist.new_group([1, 2])
+        if rank in (1, 2):
+            dist.all_reduce(np.ones(2), group=g)
+        return "no error"
+    except dist.DistError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_skips_new_group_is_named(backend):
+    said = run_world(_skips_a_new_group, 3, backend, timeout=45)
+    differ = [s for s in said if s.startswith("DistDesyncError: making group ")]
+    assert differ, said
+    assert all("made it of ranks [0,1] where this rank" in s or "made it of ranks [1,2] where this rank" in s
+               for s in differ), said
+    assert all("new_group calls differ" in s for s in differ), said
+    assert said[2] != "no error", said

@@ -26,6 +26,7 @@ from .deadline import Timeout, to_seconds
 from .debug import hooks as _debug
 from .errors import (
     DistBackendError,
+    DistDesyncError,
     DistError,
     DistInputError,
     DistNotInitializedError,
@@ -535,6 +536,7 @@ def new_group(
 
     started = time.monotonic()
     try:
+        _same_members(base, name, world.rank, members)
         pg = factory.subgroup(default, WatchedStore(base, check), members, members.index(world.rank),
                               name, seconds)
     except Exception as e:
@@ -554,6 +556,24 @@ def new_group(
 
 #: Key (under a new group's prefix) where the first member whose set-up failed says why.
 _SETUP_FAILED = "setup_failed"
+#: Key (under a new group's prefix) with the first member's rank and the group's members.
+_MEMBERS = "members"
+
+
+def _same_members(store: Store, name: str, rank: int, members: list[int]) -> None:
+    """Raise if the first member to make group ``name`` gave other ranks than ``members``:
+    the ranks' new_group calls differ (a rank skipped one, and the groups' names, which
+    count the calls, no longer match)."""
+    mine = ",".join(map(str, members))
+    first = store.compare_set(_MEMBERS, "", f"{rank}|{mine}").decode()
+    who, _, theirs = first.partition("|")
+    if theirs != mine:
+        raise DistDesyncError(
+            f"making group {name!r}: rank {who} made it of ranks [{theirs}] where this rank (rank {rank}) made "
+            f"it of ranks [{mine}]: the ranks' new_group calls differ (every rank, member or not, calls "
+            f"new_group with the same ranks in the same order; did a rank skip one?)",
+            group=name, peer=int(who),
+        )
 
 
 def _setup_failure(store: Store, name: str) -> DistBackendError | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -40,14 +41,20 @@ now = time.monotonic
 
 
 def size_from_env() -> int:
-    """``DISTCOMM_FLIGHT_RECORDER_SIZE``, or the default; bad values fall back to it."""
+    """``DISTCOMM_FLIGHT_RECORDER_SIZE``, or the default; a bad value falls back to it, with
+    a warning (read at import: an error there would stop any program importing distcomm)."""
     raw = os.environ.get(ENV_SIZE, "").strip()
     if not raw:
         return DEFAULT_SIZE
     try:
-        return max(0, int(raw))
+        size = int(raw)
     except ValueError:
+        size = -1
+    if size < 0:
+        warnings.warn(f"{ENV_SIZE}={raw!r} is not a number of entries (0 or more; 0 turns the flight "
+                      f"recorder off): the recorder keeps the last {DEFAULT_SIZE}", RuntimeWarning, stacklevel=2)
         return DEFAULT_SIZE
+    return size
 
 
 def configure(size: int | None = None) -> None:
