@@ -90,19 +90,19 @@ def test_readonly_numpy_rejected_when_writable():
 
 
 @pytest.mark.parametrize(
-    "make",
+    ("make", "said"),
     [
-        lambda: np.zeros((4, 4))[:, 1],
-        lambda: np.zeros(10)[::2],
-        lambda: np.asfortranarray(np.zeros((3, 4))),
-        lambda: np.zeros((3, 4)).T,
+        (lambda: np.zeros((4, 4))[:, 1], "not contiguous"),
+        (lambda: np.zeros(10)[::2], "not contiguous"),
+        (lambda: np.asfortranarray(np.zeros((3, 4))), "in column-major (Fortran) order, not row-major"),
+        (lambda: np.zeros((3, 4)).T, "in column-major (Fortran) order, not row-major"),
     ],
 )
-def test_non_contiguous_rejected(make):
+def test_non_contiguous_rejected(make, said):
     with pytest.raises(DistInputError) as info:
         as_array(make(), writable=False, what="tensor_list[1]")
     msg = str(info.value)
-    assert msg.startswith("tensor_list[1] is not contiguous (shape ")
+    assert msg.startswith(f"tensor_list[1] is {said} (shape ")
     assert "strides" in msg and "np.ascontiguousarray(x)" in msg and "\n" not in msg
 
 

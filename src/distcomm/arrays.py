@@ -193,8 +193,9 @@ def _from_ndarray(
         arr, name = _odd_dtype(arr, what)
     flags = arr.flags
     if not flags.c_contiguous:
+        order = "in column-major (Fortran) order, not row-major" if flags.f_contiguous else "not contiguous"
         raise DistInputError(
-            f"{what} is not contiguous (shape {arr.shape}, strides {arr.strides}); pass {fix}"
+            f"{what} is {order} (shape {arr.shape}, strides {arr.strides}); pass {fix}"
         )
     if writable and not flags.writeable:
         raise DistInputError(
