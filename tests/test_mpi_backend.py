@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -251,13 +252,23 @@ def test_a_blocking_collective_nobody_joins_ends_the_job_at_the_group_timeout(tm
 LIFECYCLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "mpi_lifecycle.py")
 
 
-def run_lifecycle(scenario: str, tmp_path, n: int = 2, timeout: float = 60) -> tuple[int | None, str, float]:
-    """``mpirun -n n`` of tests/programs/mpi_lifecycle.py SCENARIO: (exit code or None if killed at
-    ``timeout``, output, seconds taken)."""
-    cmd = [find_mpirun(), "--oversubscribe", "-n", str(n), sys.executable, LIFECYCLE, scenario]
+#: Runs the rank's program, then says how its process ended (``rank R exited with CODE``, the
+#: code 139 for a segmentation fault) and ends with that code.
+EXIT_REPORTER = 'python "$@"; code=$?; echo "rank ${OMPI_COMM_WORLD_RANK:-$PMIX_RANK} exited with $code"; exit $code'
+
+
+def run_lifecycle(scenario: str, tmp_path, n: int = 2, timeout: float = 60, args: tuple[str, ...] = (),
+                  env: dict[str, str] | None = None, exit_codes: bool = False) -> tuple[int | None, str, float]:
+    """``mpirun -n n`` of tests/programs/mpi_lifecycle.py SCENARIO ARGS: (exit code or None if killed at
+    ``timeout``, output, seconds taken).  ``exit_codes``: each rank's process prints its own exit code
+    (:data:`EXIT_REPORTER`)."""
+    prog = [sys.executable, LIFECYCLE, scenario, *args]
+    if exit_codes:
+        prog = ["sh", "-c", EXIT_REPORTER.replace("python", shlex.quote(sys.executable), 1), "sh", *prog[1:]]
+    cmd = [find_mpirun(), "--oversubscribe", "-n", str(n), *prog]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=job_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**job_env(tmp_path), **(env or {})}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out = proc.communicate(timeout=timeout)[0]
         code: int | None = proc.returncode
@@ -316,6 +327,44 @@ def test_new_group_that_a_member_never_calls_ends_the_job_at_the_group_timeout(t
     assert "MPI_Comm_create_group of group" in out and "did not complete within 2 s" in out, out[-3000:]
     assert "new_group returned" not in out
     assert took < 25, f"the job ended after {took:.0f} s (group timeout 2 s, rank 1 sleeps 30 s)"
+
+
+@needs_mpi
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n, where, dtype, count, mode, join", [
+    (2, "world", "float64", 2, "auto", "join"),  # MPI's own MPI_SUM
+    (3, "subgroup", "float16", 1 << 20, "nonblocking", "join"),  # distcomm's kernel (Python) on 2 MiB
+    (2, "world", "float16", 2, "auto", "never"),  # MPI_Finalize with the collective never complete
+])
+def test_a_collective_given_up_on_ends_cleanly_whether_the_late_rank_joins_it_or_not(tmp_path, n, where, dtype,
+                                                                                      count, mode, join):
+    """Every member but the last times out in all_reduce (2 s), destroys its groups and exits; the
+    last joins 4 s in.  MPI cannot cancel the collective: freeing its communicator made Open MPI's
+    libnbc crash the first ranks in MPI_Finalize once the last one arrived (segmentation fault, exit
+    139), and MPI_Finalize at Py_AtExit finished it into freed buffers and called distcomm's Python
+    kernel after Python was gone (MPI_Abort).  Every process must exit 0, the late rank's
+    all_reduce return the sum or fail cleanly."""
+    code, out, took = run_lifecycle("late_peer", tmp_path, n=n, timeout=60,
+                                    args=(where, dtype, str(count), join),
+                                    env={"DISTCOMM_MPI_COLLECTIVES": mode}, exit_codes=True)
+    last = n - 1
+    members = [0, last] if where == "subgroup" else list(range(n))
+    for rank in range(n):
+        assert f"rank {rank} exited with 0" in out, (rank, out[-3000:])
+        assert f"rank {rank}: destroyed" in out, (rank, out[-3000:])
+    for rank in members[:-1]:
+        line = next((x for x in out.splitlines() if x.startswith(f"rank {rank}: all_reduce")), "")
+        assert line.startswith(f"rank {rank}: all_reduce raised DistTimeoutError"), (line, out[-3000:])
+    line = next((x for x in out.splitlines() if x.startswith(f"rank {last}: all_reduce")), "")
+    if join == "never":
+        assert line == "", out[-3000:]
+    else:
+        assert line == f"rank {last}: all_reduce returned [{float(len(members))}]" or line.startswith(
+            (f"rank {last}: all_reduce raised DistTimeoutError", f"rank {last}: all_reduce raised DistBackendError")
+        ), (line, out[-3000:])
+    assert code == 0, out[-3000:]
+    assert "Segmentation fault" not in out and "MPI_ABORT" not in out, out[-3000:]
+    assert took < 40, f"the job took {took:.0f} s"
 
 
 @needs_mpi

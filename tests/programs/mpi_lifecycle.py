@@ -1,5 +1,5 @@
 """Rank program for tests/test_mpi_backend.py: one job's life on backend "mpi", as ``mpirun -n N
-python tests/programs/mpi_lifecycle.py SCENARIO``.  Each scenario prints what the test checks."""
+python tests/programs/mpi_lifecycle.py SCENARIO [ARG ...]``.  Each scenario prints what the test checks."""
 
 from __future__ import annotations
 
@@ -99,7 +99,28 @@ def run_id() -> None:
         dist.destroy_process_group()
 
 
+def late_peer(where: str = "world", dtype: str = "float64", count: str = "2", join: str = "join") -> None:
+    """Every member but the last gives up on an all_reduce (group timeout 2 s), destroys its
+    groups and exits; the last joins it 4 s in, while the others are finalising MPI (``join=never``:
+    it never does).  ``where``: the default group, or ``subgroup`` (``new_group`` of the first
+    and the last rank)."""
+    dist.init_process_group("mpi", timeout=2)
+    last = dist.get_world_size() - 1
+    group = dist.new_group([0, last]) if where == "subgroup" else None
+    if RANK == last:
+        time.sleep(4)
+    if (group is None or RANK in (0, last)) and not (RANK == last and join == "never"):
+        x = np.ones(int(count), dtype)
+        try:
+            dist.all_reduce(x, group=group)
+            say(f"all_reduce returned {sorted(set(x.tolist()))}")
+        except dist.DistError as e:
+            say(f"all_reduce raised {type(e).__name__}: {e}")
+    dist.destroy_process_group()
+    say("destroyed")
+
+
 if __name__ == "__main__":
     os.environ.pop("DISTCOMM_RUN_ID", None)
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    globals()[sys.argv[1]]()
+    globals()[sys.argv[1]](*sys.argv[2:])

@@ -261,6 +261,9 @@ class MpiCollectives:
         #: Whether collectives without an agreed size (barrier, all_to_all) are blocking.
         self.block_unsized = mode == "blocking"
         self._failed: BaseException | None = None
+        #: Calls of :meth:`_go` in progress (the group runs one at a time): the communicator
+        #: must not be freed under them.
+        self.running = 0
 
     def fail(self, cause: BaseException) -> None:
         """Make waits in progress (and later calls) give up with ``cause``."""
@@ -271,33 +274,37 @@ class MpiCollectives:
             deadline: Deadline, *args: Any) -> None:
         """``block(*args)`` or ``start(*args)`` then a tested wait; ``nbytes``: the size every
         rank agrees on (None: none), which picks the form."""
-        if self._failed is not None:
-            raise self._failed
-        limit = self.blocking_bytes
-        if self.block_unsized if nbytes is None else (limit is not None and nbytes >= limit):
-            watchdog = self.rt.watchdog  # MPI cannot interrupt the call: past its deadline, the job ends
-            key = watchdog.enter(deadline.at, deadline.seconds, what, nbytes)
-            try:
-                block(*args)
-            except self.MPI.Exception as e:
-                raise mpi_error(what, e) from None
-            finally:
-                watchdog.leave(key)
-            return
-        rt = self.rt
-        if rt.multiple:  # no lock to take: one call less on every small collective
-            try:
-                req = start(*args)
-            except self.MPI.Exception as e:
-                raise mpi_error(_nonblocking_name(what)(), e) from None
-        else:
-            req = rt.call(_nonblocking_name(what)(), start, *args)
+        self.running += 1  # before the check: a destroy that set _failed either is seen or sees this
         try:
-            wait_request(rt, req, deadline, self._get_failed, _nonblocking_name(what),
-                         progress=self.progress)
-        except BaseException:
-            rt.orphan(req)  # MPI may still complete it: keep it and its buffers alive
-            raise
+            if self._failed is not None:
+                raise self._failed
+            limit = self.blocking_bytes
+            if self.block_unsized if nbytes is None else (limit is not None and nbytes >= limit):
+                watchdog = self.rt.watchdog  # MPI cannot interrupt the call: past its deadline, the job ends
+                key = watchdog.enter(deadline.at, deadline.seconds, what, nbytes)
+                try:
+                    block(*args)
+                except self.MPI.Exception as e:
+                    raise mpi_error(what, e) from None
+                finally:
+                    watchdog.leave(key)
+                return
+            rt = self.rt
+            if rt.multiple:  # no lock to take: one call less on every small collective
+                try:
+                    req = start(*args)
+                except self.MPI.Exception as e:
+                    raise mpi_error(_nonblocking_name(what)(), e) from None
+            else:
+                req = rt.call(_nonblocking_name(what)(), start, *args)
+            try:
+                wait_request(rt, req, deadline, self._get_failed, _nonblocking_name(what),
+                             progress=self.progress)
+            except BaseException:
+                rt.orphan(req, self.comm)  # MPI may still complete it: keep it, its buffers and its communicator
+                raise
+        finally:
+            self.running -= 1
 
     def _get_failed(self) -> BaseException | None:
         return self._failed
@@ -479,10 +486,9 @@ class MpiProcessGroup(ChannelProcessGroup):
             self.aborts_on_uncaught = False
             self.rt.keep_on_uncaught()
         comm, self.comm = self.comm, None
-        MPI = self.rt.MPI
-        if comm is not None and not MPI.Is_finalized():
-            try:
-                self.rt.call("MPI_Comm_free", comm.Free)
+        if comm is not None:
+            try:  # kept instead while a collective given up on may still run on it (see free_comm)
+                self.rt.free_comm(comm, busy=self.collectives.running > 0)
             except DistBackendError:
                 pass
 
@@ -523,7 +529,11 @@ def _bcast_text(rt: MpiRuntime, comm: Any, text: str | None, deadline: Deadline,
         data = text.encode()[: msg.size]
         msg[: len(data)] = np.frombuffer(data, np.uint8)
     req = rt.call("MPI_Ibcast", comm.Ibcast, [msg, rt.MPI.BYTE], 0)
-    wait_request(rt, req, deadline, lambda: None, lambda: f"MPI_Ibcast of {what}")
+    try:
+        wait_request(rt, req, deadline, lambda: None, lambda: f"MPI_Ibcast of {what}")
+    except BaseException:
+        rt.orphan(req, comm)  # MPI may still complete it: keep it, msg and the communicator
+        raise
     return bytes(msg).rstrip(b"\0").decode(errors="replace")
 
 
@@ -590,7 +600,7 @@ class MpiBackend(BackendFactory):
             run_id = _bcast_text(rt, comm, new_run_id() if rank == 0 else None, deadline, "the run id")
             pg = MpiProcessGroup(rt, comm, list(range(size)), "default", timeout)
         except BaseException:
-            rt.call("MPI_Comm_free", comm.Free)
+            rt.free_comm(comm)  # (kept if the run id's broadcast may still complete)
             raise
         pg.run_id = run_id
         pg.abort_on_uncaught()
@@ -619,7 +629,7 @@ class MpiBackend(BackendFactory):
         try:
             return MpiProcessGroup(rt, comm, list(ranks), name, timeout)
         except BaseException:
-            rt.call("MPI_Comm_free", comm.Free)
+            rt.free_comm(comm)
             raise
 
     def shrunk_world(self, world_pg: Any, store: Store, rank: int, survivors: list[int], timeout: float,

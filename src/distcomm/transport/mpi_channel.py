@@ -4,8 +4,9 @@
 checks that an MPI launcher started this process, and initialises MPI once
 with mpi4py's settings (``mpi4py.rc``): by default with
 ``MPI_THREAD_MULTIPLE``, finalised by mpi4py at interpreter exit, after
-distcomm's own teardown.  If MPI gives less than ``MPI_THREAD_MULTIPLE``,
-every MPI call distcomm makes is serialised by one lock (nothing distcomm
+distcomm's own teardown (or by distcomm's exit hook, see below).  If MPI
+gives less than ``MPI_THREAD_MULTIPLE``, every MPI call distcomm makes is
+serialised by one lock (nothing distcomm
 calls blocks inside MPI, so the lock is never held while waiting).  Once MPI
 is finalised (also by the program's own ``MPI.Finalize()``), every group and
 ``init_process_group("mpi")`` raise :class:`DistBackendError` instead of
@@ -15,7 +16,10 @@ Every wait is a loop over ``MPI_Test`` (:func:`wait_request`): it spins
 briefly, then yields the CPU between tests, checks the caller's
 :class:`~distcomm.deadline.Deadline`, and gives up as soon as the group is
 aborted or destroyed.  MPI cannot cancel a collective that has started, so a
-request given up on is kept alive (with its buffers) until the process exits.
+request given up on is kept alive (with its buffers) until the process exits,
+and so is its communicator while the request may be incomplete
+(:meth:`MpiRuntime.free_comm`); one still incomplete at exit makes distcomm
+finalise MPI while Python still runs (see :func:`_finalize_at_exit`).
 
 :class:`MpiChannel` maps distcomm's point-to-point contract onto one
 communicator.  Receives are matched in the order they were posted with
@@ -103,7 +107,10 @@ class MpiRuntime:
         self.thread_level = MPI.Query_thread()
         self.multiple = self.thread_level >= MPI.THREAD_MULTIPLE
         self.lock: Any = contextlib.nullcontext() if self.multiple else threading.RLock()
-        self.orphans: list[Any] = []  # requests MPI may still complete: kept with their buffers
+        #: Requests MPI may still complete (kept with their buffers) and the communicators they run on.
+        self.orphans: list[Any] = []
+        self._given_up: dict[int, list[Any]] = {}  # id(communicator) -> its requests given up on
+        self._orphans_mu = threading.Lock()
         self._world: Any = None
         #: The largest tag MPI allows (an attribute of MPI_COMM_WORLD only; the standard's minimum if absent).
         self.tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
@@ -212,9 +219,55 @@ class MpiRuntime:
         except self.MPI.Exception as e:
             raise mpi_error(what, e) from None
 
-    def orphan(self, req: Any) -> None:
+    def orphan(self, req: Any, comm: Any = None) -> None:
+        """Keep ``req`` (and the buffers it holds) until the process exits: nobody waits for it
+        any more, but MPI may still complete it.  ``comm``: the communicator it runs on, which
+        :meth:`free_comm` then keeps while ``req`` may be incomplete."""
         if req is not None and req != self.MPI.REQUEST_NULL:
-            self.orphans.append(req)
+            with self._orphans_mu:
+                self.orphans.append(req)
+                if comm is not None:
+                    self._given_up.setdefault(id(comm), []).append(req)
+
+    def free_comm(self, comm: Any, busy: bool = False) -> bool:
+        """``MPI_Comm_free(comm)``, unless a request on it given up on (:meth:`orphan`) may still
+        be incomplete, or ``busy`` (a call on it may still be running): then ``comm`` is kept,
+        with those requests and their buffers, until the process exits, and False returned.
+
+        Open MPI's non-blocking collectives (libnbc) go on using a freed communicator's
+        internals: a collective given up on (a timeout, an abort, destroy_process_group) whose
+        peers then arrive crashes the process in ``MPI_Finalize`` (or earlier) if its
+        communicator was freed.  Its requests are only looked at (``MPI_Request_get_status``,
+        which frees nothing: another thread may still be testing one)."""
+        with self._orphans_mu:
+            reqs = self._given_up.pop(id(comm), [])
+        if self.finalized or self.MPI.Is_finalized():
+            return False
+        if busy or self._incomplete(reqs):
+            with self._orphans_mu:
+                self.orphans.append(comm)
+            return False
+        self.call("MPI_Comm_free", comm.Free)
+        return True
+
+    def pending_orphans(self) -> bool:
+        """Whether a request given up on (:meth:`orphan`) may still be incomplete."""
+        if self.finalized or self.MPI.Is_finalized():
+            return False
+        with self._orphans_mu:
+            reqs = [r for r in self.orphans if isinstance(r, self.MPI.Request)]
+        return self._incomplete(reqs)
+
+    def _incomplete(self, reqs: list[Any]) -> bool:
+        """Whether one of ``reqs`` may be incomplete (``MPI_Request_get_status``: frees nothing)."""
+        for req in reqs:
+            try:
+                with self.lock:
+                    if not req.Get_status():
+                        return True
+            except self.MPI.Exception:  # completed with an error, or unknown to MPI: assume the worst
+                return True
+        return False
 
 
 _runtime: MpiRuntime | None = None
@@ -254,13 +307,27 @@ def runtime() -> MpiRuntime:
                 MPI.Init_thread(level)
             except MPI.Exception as e:
                 raise mpi_error("MPI_Init_thread", e) from None
-            _finalize_at_exit(MPI)
+            ours = True
+        else:
+            ours = False
         _runtime = MpiRuntime(MPI)
+        _finalize_at_exit(_runtime, ours, mpi4py.rc)
         return _runtime
 
 
-def _finalize_at_exit(MPI: Any) -> None:
+def _finalize_at_exit(rt: MpiRuntime, ours: bool, rc: Any) -> None:
+    """At interpreter exit, while Python still runs: tear distcomm down, then finalise MPI if
+    distcomm initialised it (``ours``), or if a request given up on may still be incomplete.
+
+    mpi4py finalises MPI from ``Py_AtExit``, after Python has freed the modules' objects: a
+    collective given up on (a timeout) whose peers arrive late would then be completed by
+    ``MPI_Finalize`` into buffers already freed, and with distcomm's reduction kernels (MPI
+    operations written in Python) call into a Python that is gone (mpi4py aborts the job).
+    Finalising here completes it while its buffers and Python are still there.  Not when the
+    program finalises MPI itself (``mpi4py.rc.finalize = False``)."""
     import atexit
+
+    MPI = rt.MPI
 
     def finalize() -> None:  # registered after api's teardown, so it runs before it: tear down first
         try:
@@ -269,7 +336,9 @@ def _finalize_at_exit(MPI: Any) -> None:
             api.destroy_process_group()
         except Exception:  # noqa: BLE001 - never fail interpreter exit
             pass
-        if MPI.Is_initialized() and not MPI.Is_finalized():
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            return
+        if ours or (getattr(rc, "finalize", None) is not False and rt.pending_orphans()):
             MPI.Finalize()
 
     atexit.register(finalize)
@@ -366,7 +435,7 @@ class _MpiRequest(Request):
     def _fail(self, cause: BaseException) -> None:
         if not self.finished and self.error is None:
             self.error = cause
-            self.channel.rt.orphan(self.req)
+            self.channel.rt.orphan(self.req, self.channel.comm)
 
 
 class _Send(_MpiRequest):
@@ -401,10 +470,11 @@ class _Recv(_MpiRequest):
         into = receive_view(self.out, sent, self.shorter)
         self.peer = self.source = src
         if into is None:
-            self.channel.rt.orphan(msg.Irecv([bytearray(max(n, 1)), n, MPI.BYTE]))  # take it out of MPI
+            self.channel.rt.orphan(msg.Irecv([bytearray(max(n, 1)), n, MPI.BYTE]),  # take it out of MPI
+                                   self.channel.comm)
             self.error = DistBackendError(
                 f"{self.channel.describe(src)} sent {sent} bytes but {len(self.out)} were expected "
-                f"(tag {self.tag}); the receive buffer must have the message's size",
+                f"(tag {self.tag}); a message longer than the receive buffer is refused",
                 rank=self.channel.rank, peer=src, op="recv",
             )
             return
@@ -539,24 +609,36 @@ class MpiChannel(Channel):
             self._progress()
 
     def _match_locked(self) -> None:
-        """Give each unmatched receive, in posting order, the next message MPI has for it."""
+        """Give each unmatched receive, in posting order, the next message MPI has for it.
+
+        A message that arrives while the receives are probed one after the other may be found
+        for a later receive after an earlier one that also matches it found nothing (an
+        any-source receive, then a named one): it goes to the earliest such receive, as MPI's
+        own matching orders it, and the later one probes again."""
         if not self._unmatched:
             return
         MPI = self.rt.MPI
         status = self._status
-        still = []
+        still: list[_Recv] = []
         for r in self._unmatched:
             src = MPI.ANY_SOURCE if r.peer is None else r.peer
-            msg = self.rt.call(f"MPI_Improbe for a receive from {self.describe(src) if src >= 0 else 'any rank'}",
-                               self.comm.Improbe, src, r.mpi_tag, status)
-            if msg is None:
-                still.append(r)
-            else:
+            while True:
+                msg = self.rt.call(
+                    f"MPI_Improbe for a receive from {self.describe(src) if src >= 0 else 'any rank'}",
+                    self.comm.Improbe, src, r.mpi_tag, status)
+                if msg is None:
+                    still.append(r)
+                    break
+                sender = status.Get_source()
+                first = next((e for e in still if e.mpi_tag == r.mpi_tag and e.peer in (None, sender)), r)
                 with self.rt.lock:
                     try:
-                        r._match(msg, status)
+                        first._match(msg, status)
                     except MPI.Exception as e:
-                        r.error = mpi_error("MPI_Imrecv", e, rank=self.rank, peer=r.peer)
+                        first.error = mpi_error("MPI_Imrecv", e, rank=self.rank, peer=first.peer)
+                if first is r:
+                    break
+                still.remove(first)
         self._unmatched = still
 
     def _fail_pending(self, cause: BaseException) -> None:
