@@ -17,3 +17,12 @@ def recv_exact(sock: socket.socket, n: int, closed: str = "the connection closed
             raise ConnectionResetError(closed)
         buf += chunk
     return bytes(buf)
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """``sock.shutdown(SHUT_RDWR)``, which wakes a thread blocked reading it; a socket already
+    closed or never connected is fine."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

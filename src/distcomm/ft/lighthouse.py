@@ -14,10 +14,15 @@ One asyncio server, one port, two protocols told apart by their first byte:
 Quorum rules, evaluated on every request, death and tick: when every member
 of the previous quorum has asked, the quorum is issued at once (with anyone
 else who asked too); while a previous member is alive but has not asked, the
-lighthouse waits for it up to ``--join-timeout``; otherwise (first quorum,
-or a member died) it is issued as soon as at least ``--min-replicas`` and
-more than half of the live replicas have asked, or at the join timeout with
-at least ``--min-replicas``.  The quorum id goes up whenever the members
+lighthouse waits for it up to ``--join-timeout`` (until one of them has asked,
+the others go on without the previous members only as a majority of the
+live replicas); otherwise (first quorum, or a member died) it is issued as soon as
+at least ``--min-replicas`` and more than half of the live replicas have
+asked, or at the join timeout with at least ``--min-replicas``.  The join
+timeout runs from the first request of a previous member since the last
+quorum (see :meth:`Lighthouse.round_started`): a replica left out of that
+quorum has waited since before it, and steps may be longer than the join
+timeout.  The quorum id goes up whenever the members
 (replica ids and process instances) change, or a member asks for a fresh
 group because its own failed.  A second live replica with an id already in
 use is refused with an error naming the first, and so is a replica group
@@ -114,7 +119,7 @@ class Lighthouse:
         self.quorum_id = 0
         self.quorums_issued = 0
         self.history: deque[dict] = deque(maxlen=HISTORY)
-        self.round_started: float | None = None
+        self.issued_at: float | None = None  # when the last quorum was issued (monotonic)
         self.waiting_reason = ""
 
     # -- events --------------------------------------------------------------------
@@ -179,8 +184,6 @@ class Lighthouse:
         r.request = msg
         if r.joined_at is None:
             r.joined_at = time.monotonic()
-        if self.round_started is None:
-            self.round_started = r.joined_at
         return self.evaluate()
 
     def leave(self, r: Replica, msg: dict | None = None) -> list[tuple[Replica, dict]]:
@@ -224,18 +227,35 @@ class Lighthouse:
         return out
 
     # -- the rules ---------------------------------------------------------------------
+    def round_started(self, joiners: list[Replica], prev: dict[str, str] | None) -> float:
+        """When this round's join timeout started to run.
+
+        At the first request since the last quorum from one of that quorum's
+        members: they ask at the end of their step, so a step longer than the
+        join timeout does not count against their stragglers.  A replica left
+        out of the last quorum has been waiting since before then; its wait
+        does not start the clock (else the first member to ask would find the
+        timeout long expired and go on without the others, every step).
+        Without any such request: the first request, but no earlier than the
+        last quorum was issued.
+        """
+        members = [r.joined_at for r in joiners
+                   if prev is not None and prev.get(r.replica_id) == r.instance and r.joined_at is not None]
+        if members:
+            return min(members)
+        first = min(r.joined_at for r in joiners if r.joined_at is not None)
+        return first if self.issued_at is None else max(first, self.issued_at)
+
     def evaluate(self) -> list[tuple[Replica, dict]]:
         live = self.live()
         joiners = [r for r in live if r.joined_at is not None]
         if not joiners:
-            self.round_started = None
             return []
-        if self.round_started is None:
-            self.round_started = min(r.joined_at for r in joiners)  # type: ignore[type-var]
-        waited = time.monotonic() - self.round_started
-        joined = {r.replica_id for r in joiners}
         prev = {m["replica_id"]: m["instance"] for m in self.quorum["members"]} if self.quorum else None
+        waited = time.monotonic() - self.round_started(joiners, prev)
+        joined = {r.replica_id for r in joiners}
         n, enough = len(joiners), len(joiners) >= self.min_replicas
+        majority = n * 2 > len(live)
         prev_live = prev is not None and all(
             rid in self.replicas and self.replicas[rid].alive and self.replicas[rid].instance == inst
             for rid, inst in prev.items()
@@ -244,15 +264,20 @@ class Lighthouse:
             return self._issue(joiners)
         if prev and prev_live:
             missing = sorted(set(prev) - joined)
-            if waited >= self.join_timeout and enough:
+            # Without any previous member, those who asked (stragglers of the last quorum,
+            # newcomers) go on without the live previous members only as a majority.
+            if waited >= self.join_timeout and enough and (majority or len(missing) < len(prev)):
                 return self._issue(joiners)
-            self.waiting_reason = (
-                f"waiting for previous members {missing} to ask (join timeout {self.join_timeout:g} s)"
-                if enough else
-                f"{n} of min_replicas={self.min_replicas} replicas have asked; waiting for more"
-            )
+            if not enough:
+                self.waiting_reason = f"{n} of min_replicas={self.min_replicas} replicas have asked; waiting for more"
+            elif len(missing) < len(prev) or majority:
+                self.waiting_reason = (f"waiting for previous members {missing} to ask "
+                                       f"(join timeout {self.join_timeout:g} s)")
+            else:
+                self.waiting_reason = (f"waiting for previous members {missing} to ask (the {n} who asked "
+                                       f"are not a majority of the {len(live)} live replicas)")
             return []
-        if enough and n * 2 > len(live):
+        if enough and majority:
             return self._issue(joiners)
         if enough and waited >= self.join_timeout:
             return self._issue(joiners)
@@ -299,7 +324,7 @@ class Lighthouse:
             r.joined_at = None
             r.quorums += 1
             out.append((r, {"op": "quorum", "req": req, "quorum": self.quorum}))
-        self.round_started = None
+        self.issued_at = time.monotonic()
         self.waiting_reason = ""
         return out
 

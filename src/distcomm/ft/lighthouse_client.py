@@ -27,6 +27,7 @@ from ..errors import (
     DistNetworkError,
     DistTimeoutError,
 )
+from ..sockets import shutdown_quietly
 from ._net import parse_host_port, readline
 
 __all__ = ["LighthouseClient", "LighthouseRefusedError"]
@@ -276,10 +277,7 @@ class LighthouseClient:
         with self._wlock:
             sock = self._sock
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown_quietly(sock)
         for t in (self._reader, self._beater):
             if t is not threading.current_thread():
                 t.join(5.0)

@@ -57,7 +57,7 @@ from ..work import Work, completed
 from ._net import join_host_port, parse_host_port
 from .lighthouse_client import LighthouseClient, info_of_this_process
 from .reconfigurable import ReconfigurableProcessGroup
-from .recovery import ChecksumError, RecoveryServer, fetch_state
+from .recovery import ChecksumError, RecoveryServer, Transfer, fetch_state
 from .replica_group import ReplicaGroupClient, ReplicaGroupServer, server_key
 
 __all__ = ["Manager", "StateDictError"]
@@ -187,10 +187,16 @@ class Manager:
         self._user_error: StateDictError | None = None  # a save_fn/load_fn raised: should_commit raises it
         self._failures = 0  # consecutive discarded steps
         self._serving = 0  # state transfers in flight: a commit waits for them
+        self._save_lock = threading.Lock()  # save_fn calls for transfers, one at a time
         self._configured = False  # the group is built for this step's quorum
         self._in_step = False  # between start_quorum and should_commit
         self._quorum_key: tuple[str, int] | None = None
         self._failed_quorums: set[tuple[str, int]] = set()  # quorums a member of which died
+        # the members the lighthouse declared dead, by quorum, and the state transfer in progress
+        # (its source's id and instance): a transfer from a member declared dead is abandoned
+        self._dead_members: dict[tuple[str, int], set[tuple[str, str]]] = {}
+        self._fetching: tuple[str, str, Transfer] | None = None
+        self._fetch_lock = threading.Lock()
         self._quorum: dict | None = None
         self._future: Future | None = None
         self._fresh = True  # no quorum yet: the first one is awaited in start_quorum
@@ -625,11 +631,20 @@ class Manager:
         t0 = time.monotonic()
         sources = healthy[rank % len(healthy):] + healthy[: rank % len(healthy)]
         errors = []
+        key = self._quorum_key
         for src in sources:
+            transfer = Transfer()
+            source = (src["replica_id"], str(src.get("instance", "")))
+            with self._fetch_lock:
+                dead = source in self._dead_members.get(key, ()) if key is not None else False
+                self._fetching = source + (transfer,)
+            if dead:  # a frozen or cut-off peer would not answer: do not wait for it
+                transfer.abandon(f"the lighthouse declared replica {src['replica_id']} dead")
             try:
                 got_step, commit_id, tree = fetch_state(
                     _recovery_address(src, self.group_rank), step, src["commit_id"], self._staging.setdefault(
-                        src["replica_id"], {}), timeout=self.timeout, allow_pickle=self.allow_pickle)
+                        src["replica_id"], {}), timeout=self.timeout, allow_pickle=self.allow_pickle,
+                    transfer=transfer)
             except ChecksumError as e:
                 self.stats["checksum_failures"] += 1
                 log.warning("replica %s: %s; trying another peer", self.replica_id, e)
@@ -639,6 +654,9 @@ class Manager:
                 log.warning("replica %s: recovery from %s failed: %s", self.replica_id, src["replica_id"], e)
                 errors.append(f"{src['replica_id']}: {e}")
                 continue
+            finally:
+                with self._fetch_lock:
+                    self._fetching = None
             self._load(tree)
             counters = tree.get(_MANAGER_KEY) if isinstance(tree, dict) else None
             with self._cond:
@@ -693,8 +711,11 @@ class Manager:
     def _snapshot(self, step: int, commit_id: str) -> tuple[int, str, Any]:
         """Called by the recovery server: this replica's state at ``step``, once it is stable.
 
-        The transfer counts as in flight (a commit waits for it) until the
-        server calls :meth:`_transfer_done`.
+        The transfer counts as in flight (a commit waits for it) from the
+        moment the step is checked, under the lock, until the server calls
+        :meth:`_transfer_done`; so the state ``save_fn`` returns is the
+        state of that step, though ``save_fn`` runs without the lock (the
+        training loop is not held up by it: only a commit waits).
         """
         with self._cond:
             ready = self._cond.wait_for(
@@ -706,10 +727,17 @@ class Manager:
             if not self._fns:
                 raise DistBackendError(f"replica {self.replica_id} has no registered state to send "
                                        "(register_state_dict_fn() was not called)")
-            tree = {k: self._call_state_fn("save_fn", k, save) for k, (_, save) in self._fns.items()}
-            tree[_MANAGER_KEY] = {"batches_committed": self._batches_committed}
-            self._serving += 1
-            return self._step, self._commit_id, tree
+            fns = list(self._fns.items())
+            held = (self._step, self._commit_id, {"batches_committed": self._batches_committed})
+            self._serving += 1  # from here a commit waits for this transfer
+        try:
+            with self._save_lock:  # save_fn is not called by two transfers at once
+                tree = {k: self._call_state_fn("save_fn", k, save) for k, (_, save) in fns}
+        except BaseException:
+            self._transfer_done()  # the server calls it only for a snapshot it got
+            raise
+        tree[_MANAGER_KEY] = held[2]
+        return held[0], held[1], tree
 
     def _transfer_done(self) -> None:
         with self._cond:
@@ -719,6 +747,16 @@ class Manager:
     def _member_failed(self, note: dict) -> None:
         key = (note.get("epoch"), note.get("quorum_id"))
         self._failed_quorums.add(key)  # type: ignore[arg-type]
+        member = (str(note.get("replica_id")), str(note.get("instance", "")))
+        with self._fetch_lock:
+            self._dead_members.setdefault(key, set()).add(member)  # type: ignore[arg-type]
+            while len(self._dead_members) > 16:  # only the current quorum's matter
+                del self._dead_members[next(iter(self._dead_members))]
+            fetching = self._fetching
+        if fetching is not None and fetching[:2] == member:
+            # A frozen or cut-off sender (declared dead at the heartbeat timeout) would keep this
+            # replica waiting for the whole transfer timeout, and the survivors with it.
+            fetching[2].abandon(f"the lighthouse declared replica {member[0]} dead ({note.get('why')})")
         if key == self._quorum_key or self._quorum_key is None:
             self.pg.abort(DistBackendError(
                 f"replica {note.get('replica_id')} of quorum {note.get('quorum_id')} failed: {note.get('why')}",

@@ -37,9 +37,10 @@ import numpy as np
 
 from ..arrays import is_torch_tensor
 from ..errors import DistError, DistNetworkError, DistTypeError
+from ..sockets import shutdown_quietly
 from ._net import accept_loop, listen, parse_host_port, readline
 
-__all__ = ["ChecksumError", "RecoveryServer", "fetch_state", "flatten", "unflatten"]
+__all__ = ["ChecksumError", "RecoveryServer", "Transfer", "fetch_state", "flatten", "unflatten"]
 
 log = logging.getLogger("distcomm.ft")
 DIGEST = 16
@@ -252,10 +253,7 @@ class RecoveryServer:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown_quietly(conn)
 
     def close(self) -> None:
         self._closed = True
@@ -268,15 +266,83 @@ class RecoveryServer:
 
 
 # -- the receiving side ---------------------------------------------------------------------------
+class Transfer:
+    """A handle on one :func:`fetch_state` in progress, to abandon it from another thread.
+
+    :meth:`abandon` (the sender was declared dead, say) shuts the transfer's
+    socket down, which ends a wait to connect, for the answer or for the
+    bytes at once; ``fetch_state`` then raises a ``DistNetworkError`` that
+    gives ``why``.  Abandoning before the transfer starts makes it fail at
+    the start.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.abandoned: str | None = None
+
+    def abandon(self, why: str) -> None:
+        with self._lock:
+            if self.abandoned is None:
+                self.abandoned = why
+            sock = self._sock
+        if sock is not None:
+            shutdown_quietly(sock)
+
+    def _attach(self, sock: socket.socket | None) -> str | None:
+        """Watch ``sock`` (None: stop watching); the reason if already abandoned."""
+        with self._lock:
+            self._sock = sock
+            return self.abandoned
+
+
+def _connect(host: str, port: int, timeout: float, transfer: Transfer | None) -> socket.socket:
+    """``socket.create_connection``, but a connect in progress is ended by ``transfer.abandon``."""
+    if transfer is None:
+        return socket.create_connection((host, port), timeout=timeout)
+    error: OSError | None = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            if transfer._attach(sock) is not None:
+                break
+            sock.connect(addr)
+            return sock
+        except OSError as e:
+            error = e
+            sock.close()
+    else:
+        raise error or OSError(f"no address for {host}")
+    sock.close()
+    raise OSError("abandoned")
+
+
 def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.ndarray], *,
-                timeout: float = 30.0, allow_pickle: bool = False) -> tuple[int, str, Any]:
+                timeout: float = 30.0, allow_pickle: bool = False,
+                transfer: Transfer | None = None) -> tuple[int, str, Any]:
     """Fetch the state at ``step`` from the peer at ``address``; verified before returned.
 
     ``staging`` maps an array's position to the array it was last received
-    into; matching arrays are reused, others replaced.
+    into; matching arrays are reused, others replaced.  ``transfer`` (a
+    :class:`Transfer`) lets another thread abandon the fetch.
     """
     try:
-        conn = socket.create_connection(parse_host_port(address, "address"), timeout=timeout)
+        return _fetch(address, step, commit_id, staging, timeout, allow_pickle, transfer)
+    except (DistNetworkError, OSError, ValueError) as e:
+        why = transfer.abandoned if transfer is not None else None
+        if why is None:
+            raise
+        raise DistNetworkError(f"state transfer from {address} abandoned: {why}", addr=address) from e
+    finally:
+        if transfer is not None:
+            transfer._attach(None)
+
+
+def _fetch(address: str, step: int, commit_id: str, staging: dict[int, np.ndarray], timeout: float,
+           allow_pickle: bool, transfer: Transfer | None) -> tuple[int, str, Any]:
+    try:
+        conn = _connect(*parse_host_port(address, "address"), timeout, transfer)
     except OSError as e:
         raise DistNetworkError(f"cannot reach the peer's state server at {address}: {e}", addr=address) from e
     with conn:

@@ -58,6 +58,7 @@ from ..errors import (
     DistStoreError,
     DistTimeoutError,
 )
+from ..sockets import shutdown_quietly
 from ._net import accept_loop, listen, parse_host_port, readline
 from .lighthouse_client import LighthouseClient, LighthouseRefusedError
 
@@ -296,10 +297,7 @@ class ReplicaGroupServer:
                 broken = self._broken is not None
             for r in ranks:
                 _send(r.sock, r.lock, {"op": "closing"})
-                try:
-                    r.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                shutdown_quietly(r.sock)
         self._sock.close()
         self._work.put(None)
         self.lighthouse.close(leave=not broken)
@@ -489,10 +487,7 @@ class ReplicaGroupClient:
             self._closed = True
             self._cv.notify_all()
         _send(self._sock, self._wlock, {"op": "leave"})
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown_quietly(self._sock)
         if self._reader is not threading.current_thread():
             self._reader.join(5.0)
         self._rfile.close()

@@ -36,6 +36,7 @@ from ..arrays import as_array
 from ..deadline import Deadline, Timeout, to_seconds
 from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup
+from ..sockets import shutdown_quietly
 from ..work import Work
 from .reconfigurable import forward_collectives
 
@@ -192,10 +193,7 @@ class SubprocessProcessGroup(ProcessGroup):
                 proc.send_signal(signal.SIGKILL)
             proc.wait()
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown_quietly(sock)
         if reader is not None and reader is not threading.current_thread():
             reader.join(5)
         if sock is not None:

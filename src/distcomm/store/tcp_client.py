@@ -45,7 +45,7 @@ from ..errors import (
     DistTypeError,
 )
 from ..fdlimit import ensure_fds
-from ..sockets import recv_exact
+from ..sockets import recv_exact, shutdown_quietly
 from . import auth
 from . import tcp_protocol as p
 from .base import INTERNAL_PREFIX, Store, timeout_error
@@ -504,10 +504,7 @@ class TCPStore(Store):
             self._closed = True
         sock = self._sock
         if sock is not None and self._fork_gen == _fork_generation[0]:
-            try:  # wakes a thread blocked on this socket; it sees _closed and gives up
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown_quietly(sock)  # wakes a thread blocked on this socket; it sees _closed and gives up
         with self._lock:
             self._reset()
             server, self._server = self._server, None
