@@ -35,6 +35,7 @@ from .errors import (
 from .group import ProcessGroup
 from .launch import error_record as _error_record
 from .store import PrefixStore, Store, auth
+from .store.exchange import forget_when_passed
 from .store.rendezvous import rendezvous
 from .store.watched import WatchedStore
 
@@ -516,11 +517,13 @@ def new_group(
             name = f"{world.tag}:{world.group_count}"
         if group_desc:
             name = f"{name}:{group_desc}"
+    base = PrefixStore(f"group/{name}", world.store)
+    if not use_local_synchronization:  # (that group's name says who its members are)
+        _same_members(base, name, world.rank, members, world.size)
     if world.rank not in members:
         world.nonmember_ranks = members
         return GroupMember.NON_GROUP_MEMBER
     default = world.default
-    base = PrefixStore(f"group/{name}", world.store)
 
     told: list[BaseException] = []  # errors about other members: not this rank's to publish
 
@@ -536,7 +539,6 @@ def new_group(
 
     started = time.monotonic()
     try:
-        _same_members(base, name, world.rank, members)
         pg = factory.subgroup(default, WatchedStore(base, check), members, members.index(world.rank),
                               name, seconds)
     except Exception as e:
@@ -560,10 +562,11 @@ _SETUP_FAILED = "setup_failed"
 _MEMBERS = "members"
 
 
-def _same_members(store: Store, name: str, rank: int, members: list[int]) -> None:
-    """Raise if the first member to make group ``name`` gave other ranks than ``members``:
-    the ranks' new_group calls differ (a rank skipped one, and the groups' names, which
-    count the calls, no longer match)."""
+def _same_members(store: Store, name: str, rank: int, members: list[int], world_size: int) -> None:
+    """Raise if the first rank to make group ``name`` gave other ranks than ``members``: the
+    ranks' new_group calls differ (a rank skipped one, and the groups' names, which count the
+    calls, no longer match).  Every rank of the world, member or not, takes part; the last to
+    pass removes the key, so a rank that comes late with other members still finds it."""
     mine = ",".join(map(str, members))
     first = store.compare_set(_MEMBERS, "", f"{rank}|{mine}").decode()
     who, _, theirs = first.partition("|")
@@ -574,6 +577,7 @@ def _same_members(store: Store, name: str, rank: int, members: list[int]) -> Non
             f"new_group with the same ranks in the same order; did a rank skip one?)",
             group=name, peer=int(who),
         )
+    forget_when_passed(store, world_size, _MEMBERS, [_MEMBERS])
 
 
 def _setup_failure(store: Store, name: str) -> DistBackendError | None:
