@@ -414,9 +414,10 @@ def test_opener_racing_with_the_last_close_reopens(path, monkeypatch):
         assert os.stat(path).st_ino == os.fstat(second._fd).st_ino
         assert not second.check(["old"])
         assert second.get(USERS_KEY) == b"1"
-        # first opens; the opener finds its file gone, then opens the new one;
-        # first's close then leaves the new file alone.
-        assert seen == [True, False, True, False]
+        # first opens (and its set checks the file); the opener finds its file gone, then
+        # opens the new one; first's close then leaves the new file alone; second's check
+        # and get each check its file.
+        assert seen == [True, True, False, True, False, True, True]
     finally:
         second.close()
     assert not os.path.exists(path)
@@ -564,3 +565,21 @@ def test_not_picklable(path):
     with FileStore(path) as store:
         with pytest.raises(DistTypeError, match="cannot be pickled"):
             pickle.dumps(store)
+
+
+def test_a_file_deleted_while_in_use_is_an_error_not_a_split_store(tmp_path):
+    """A FileStore whose file another program deleted would write to a file nobody else
+    reads (a new store at the path would not see it): every operation fails instead."""
+    path = str(tmp_path / "store")
+    a = FileStore(path, -1)
+    a.set("before", b"1")
+    os.unlink(path)
+    for op in (lambda: a.set("after", b"A"), lambda: a.get("before"), lambda: a.add("n", 1)):
+        with pytest.raises(DistStoreError, match=r"was deleted or replaced while in use"):
+            op()
+    b = FileStore(path, -1)  # a new store at the path starts afresh
+    b.set("k", b"v")
+    assert b.get("k") == b"v"
+    b.close()
+    a.close()  # (it leaves the new file alone)
+    assert not os.path.exists(path)

@@ -19,6 +19,7 @@ from raw_sockets import closed_by_peer, raw_connect, recv_n
 
 from distcomm.errors import (
     DistConnectTimeoutError,
+    DistError,
     DistInputError,
     DistNetworkError,
     DistProtocolError,
@@ -466,3 +467,47 @@ def test_a_client_whose_server_closed_fails_fast_instead_of_retrying_until_its_t
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("theirs", [1, 3])
+def test_the_master_waits_for_its_own_world_size_not_a_clients(theirs):
+    """A client that gives another world_size neither ends the master's wait early nor keeps
+    it waiting to its timeout: the master counts to its own."""
+    port = free_port()
+    joined = threading.Event()
+
+    def client() -> None:
+        time.sleep(0.3)
+        with TCPStore("127.0.0.1", port, world_size=theirs, timeout=timedelta(seconds=5)):
+            joined.set()
+            time.sleep(0.5)
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with TCPStore("127.0.0.1", port, world_size=2, is_master=True, timeout=timedelta(seconds=5)):
+            took = time.monotonic() - t0
+            assert joined.wait(5)
+        assert took < 4, f"the master waited {took:.1f} s for a client that had joined"
+    finally:
+        t.join(10)
+
+
+@pytest.mark.timeout(30)
+def test_a_client_of_a_smaller_world_does_not_end_the_masters_wait():
+    port = free_port()
+
+    def client() -> None:
+        with TCPStore("127.0.0.1", port, world_size=2, timeout=timedelta(seconds=5)) as c, \
+                contextlib.suppress(DistError):
+            c.get("go")  # (until the master gives up and its server goes)
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        with pytest.raises(DistStoreTimeoutError, match=r"waiting for workers: 2 of world_size=3 joined"):
+            TCPStore("127.0.0.1", port, world_size=3, is_master=True, timeout=timedelta(seconds=1.5))
+    finally:
+        t.join(10)

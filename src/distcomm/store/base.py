@@ -47,6 +47,8 @@ queue's ``head`` or one of its slots is written (:func:`queue_of`).
 from __future__ import annotations
 
 import contextlib
+import operator
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -121,8 +123,10 @@ def check_keys(keys: object) -> list[str]:
 
 def to_bytes(value: object, key: str | None = None) -> bytes:
     """Return ``value`` as bytes; ``str`` is encoded as UTF-8."""
-    if isinstance(value, bytes):
-        return value
+    if value.__class__ is bytes:
+        return value  # type: ignore[return-value]
+    if isinstance(value, bytes):  # a subclass (NumPy's bytes_): plain bytes come back out
+        return bytes(value)
     if isinstance(value, str):
         return value.encode("utf-8")
     if isinstance(value, (bytearray, memoryview)):
@@ -134,6 +138,8 @@ def to_bytes(value: object, key: str | None = None) -> bytes:
 
 
 def check_amount(amount: object, key: str) -> int:
+    if not isinstance(amount, bool) and not isinstance(amount, int) and hasattr(amount, "__index__"):
+        amount = operator.index(amount)  # type: ignore[arg-type]  # a NumPy or torch integer
     if isinstance(amount, bool) or not isinstance(amount, int):
         raise DistTypeError(
             f"store add amount for key {key!r} must be int, got {type(amount).__name__}",
@@ -146,13 +152,24 @@ def check_amount(amount: object, key: str) -> int:
     return amount
 
 
+_DECIMAL = re.compile(rb"\s*[-+]?[0-9]+\s*")
+
+
+def _decimal(data: bytes) -> int:
+    """A counter's ASCII decimal value (spaces around it allowed, as torch; not Python's
+    underscores or other digits); ValueError otherwise."""
+    if not _DECIMAL.fullmatch(data):
+        raise ValueError(data)
+    return int(data)
+
+
 def apply_add(key: str, current: bytes | None, amount: int) -> tuple[bytes, int]:
     """Return ``(new stored value, new counter)`` for ``add(key, amount)``."""
     if current is None:
         total = amount
     else:
         try:
-            total = int(current)
+            total = _decimal(current)
         except ValueError:
             raise DistStoreValueError(
                 f"store add on key {key!r}: stored value {current[:40]!r} is not an integer",

@@ -329,6 +329,11 @@ class FileStore(Store):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
                 try:
+                    if not self._is_current(fd):  # its users would no longer see each other
+                        raise DistStoreError(
+                            f"FileStore {self._path!r} was deleted or replaced while in use (by "
+                            f"another program or a cleanup); the stores using it cannot go on", op=op,
+                        )
                     self._sync(fd, exclusive)
                     yield fd
                 finally:

@@ -182,15 +182,27 @@ class TCPStore(Store):
                 self._tenant_port = server.port
 
     def _join_workers(self, wait: bool) -> None:
+        """Count this client in; the master (``wait``) returns once its own ``world_size``
+        have (the done key a client sets counts by that client's world_size, which may differ)."""
         assert self._world_size is not None
         n = self.add(_WORKERS_KEY, 1)
         if n == self._world_size:
             self.set(_WORKERS_DONE_KEY, b"1")
         if wait:
-            try:
-                self._wait([_WORKERS_DONE_KEY], self._timeout_s)
-            except DistStoreTimeoutError:
-                joined = int(self._get(_WORKERS_KEY, self._timeout_s))
+            deadline = Deadline(self._timeout_s)
+            while True:
+                try:  # (in slices: a client of a larger world size never sets the done key)
+                    self._wait([_WORKERS_DONE_KEY], max(min(deadline.remaining(), 0.1), 0.001))
+                    done = True
+                except DistStoreTimeoutError:
+                    done = False
+                joined = self.add(_WORKERS_KEY, 0)
+                if joined >= self._world_size:
+                    return
+                if not deadline.expired():
+                    if done:  # set by a client of a smaller world size: wait for the rest
+                        time.sleep(min(0.02, deadline.remaining()))
+                    continue
                 raise DistStoreTimeoutError(
                     f"TCPStore master on port {self._port} timed out after {self._timeout_s:g} s "
                     f"waiting for workers: {joined} of world_size={self._world_size} joined",

@@ -358,6 +358,21 @@ def check_add(store: Store) -> None:
     assert store.add("big", INT64_MAX) == INT64_MAX
     assert store.add("small", INT64_MIN) == INT64_MIN
 
+    class Three:  # an integer of another type (NumPy's, torch's): its __index__
+        def __index__(self) -> int:
+            return 3
+
+    assert store.add("indexed", Three()) == 3
+    store.set("spaced", b" 12 ")  # spaces around the digits: as torch
+    assert store.add("spaced", 1) == 13
+
+    class Sub(bytes):
+        pass
+
+    store.set("subclass", Sub(b"ab"))  # a bytes subclass goes in; plain bytes come out
+    got = store.get("subclass")
+    assert type(got) is bytes and got == b"ab", repr(got)
+
 
 def check_add_non_integer(store: Store) -> None:
     """``add`` on a value that is not an integer raises DistStoreValueError, changes nothing."""
@@ -369,6 +384,10 @@ def check_add_non_integer(store: Store) -> None:
     assert store.get("text") == b"not a number"
     store.set("empty", b"")
     _raises(DistStoreValueError, store.add, "empty", 1)
+    for odd in (b"1_000", b"1.5", b"12abc", b"\xd9\xa3"):  # only ASCII decimal digits count
+        store.set("odd", odd)
+        _raises(DistStoreValueError, store.add, "odd", 1)
+        assert store.get("odd") == odd
     assert store.add("fine", 1) == 1  # the store still works
 
 
