@@ -379,11 +379,11 @@ class StoreServer:
         size = p.HANDSHAKE.size
         if len(buf) < size:
             if not p.MAGIC.startswith(bytes(buf[:4])):
-                self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
+                self._drop(conn, _stranger(bytes(buf)))
             return 0
         magic, version, flags = p.HANDSHAKE.unpack_from(buf)
         if magic != p.MAGIC:
-            self._drop(conn, f"not a distcomm store client (sent {bytes(buf[:16])!r})")
+            self._drop(conn, _stranger(bytes(buf)))
             return 0
         if not p.MIN_VERSION <= version <= p.VERSION:
             self._reply(conn, p.VERSION, p.HS_UNSUPPORTED)
@@ -795,3 +795,17 @@ def _fmt_addr(addr: object) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"{addr[0]}:{addr[1]}"
     return str(addr) or f"fd{os.getpid()}"
+
+
+#: What a torch.distributed TCPStore client sends first: its VALIDATE query and magic number.
+_TORCH_HELLO = b"\x00\xce\xf7\x85\x3c"
+
+
+def _stranger(sent: bytes) -> str:
+    """Why a connection that is no distcomm client is dropped (naming torch's, the likely one:
+    a torch program's ``init_process_group`` under ``distcomm run``)."""
+    if _TORCH_HELLO.startswith(sent[:5]) and len(sent) >= 1:
+        return ("a torch.distributed TCPStore client: this is a distcomm store (another protocol); "
+                "under `distcomm run` a torch.distributed program's init_process_group needs "
+                "init_method='tcp://HOST:PORT' with a port of its own, or launch it with torchrun")
+    return f"not a distcomm store client (sent {sent[:16]!r})"
