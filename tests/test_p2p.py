@@ -36,9 +36,12 @@ def _failed_receive_polled(rank: int, world_size: int, backend: str, port: int) 
     returns True, as for a failed collective; ``is_success()`` and ``exception()`` tell why."""
     bad = []
     init(rank, world_size, backend, port, timeout=20)
+    # rank 0 hosts the store: it stays until rank 1 has destroyed its (broken) group
+    done = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=30)
     try:
         if rank == 0:
             dist.send(np.arange(5.0), dst=1, tag=4)
+            done.wait(["checked"])
         elif rank == 1:
             w = dist.irecv(np.zeros(3), src=0, tag=4)
             try:
@@ -52,6 +55,9 @@ def _failed_receive_polled(rank: int, world_size: int, backend: str, port: int) 
                 bad.append(f"the error does not name the message's size: {w.exception()}")
     finally:
         dist.destroy_process_group()  # (the receive's failure broke the group: no barrier)
+        if rank == 1:
+            done.set("checked", b"")
+        done.close()
     return bad
 
 

@@ -29,6 +29,7 @@ from .errors import (
     DistDesyncError,
     DistError,
     DistInputError,
+    DistNetworkError,
     DistNotInitializedError,
     DistTypeError,
 )
@@ -568,7 +569,10 @@ def _same_members(store: Store, name: str, rank: int, members: list[int], world_
     calls, no longer match).  Every rank of the world, member or not, takes part; the last to
     pass removes the key, so a rank that comes late with other members still finds it."""
     mine = ",".join(map(str, members))
-    first = store.compare_set(_MEMBERS, "", f"{rank}|{mine}").decode()
+    try:
+        first = store.compare_set(_MEMBERS, "", f"{rank}|{mine}").decode()
+    except DistNetworkError:  # the store's host (rank 0, not a member, or done with the
+        return  # group) may have finished and left: the check is a courtesy, not a need
     who, _, theirs = first.partition("|")
     if theirs != mine:
         raise DistDesyncError(
@@ -577,7 +581,8 @@ def _same_members(store: Store, name: str, rank: int, members: list[int], world_
             f"new_group with the same ranks in the same order; did a rank skip one?)",
             group=name, peer=int(who),
         )
-    forget_when_passed(store, world_size, _MEMBERS, [_MEMBERS])
+    with contextlib.suppress(DistNetworkError):  # (as above: removing the key is a courtesy)
+        forget_when_passed(store, world_size, _MEMBERS, [_MEMBERS])
 
 
 def _setup_failure(store: Store, name: str) -> DistBackendError | None:
