@@ -292,3 +292,25 @@ def test_status_page_in_a_headless_browser():
         os.killpg(driver.pid, signal.SIGTERM)
         driver.wait(10)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_new_process_gets_the_id_of_one_whose_connection_closes_meanwhile():
+    """A registration by a process that then exited may be read late (a lighthouse that was
+    stopped reads its queue when resumed): the id stays its until the connection's end is
+    read, which the lighthouse waits for (up to its heartbeat timeout) before refusing."""
+    with LighthouseThread(heartbeat_timeout=3.0) as lh:
+        first = LighthouseClient(lh.address, "same", connect_timeout=5)
+        closer = threading.Timer(0.5, first.close, kwargs={"leave": False})  # as a crash would
+        closer.start()
+        try:  # asked while first is alive: registered once its connection closed
+            LighthouseClient(lh.address, "same", connect_timeout=5).close()
+        finally:
+            closer.join()
+            first.close()
+        # a live holder is still refused, after the heartbeat timeout
+        holder = LighthouseClient(lh.address, "held", connect_timeout=5)
+        try:
+            with pytest.raises(LighthouseRefusedError, match="'held' is already in use by a live replica"):
+                LighthouseClient(lh.address, "held", connect_timeout=10)
+        finally:
+            holder.close()

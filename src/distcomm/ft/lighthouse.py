@@ -131,6 +131,11 @@ class Lighthouse:
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.alive]
 
+    def taken_by_other(self, msg: dict) -> bool:
+        """Whether the replica id ``msg`` registers is held by another live process."""
+        old = self.replicas.get(str(msg.get("replica_id", "")))
+        return old is not None and old.alive and old.instance != str(msg.get("instance", ""))
+
     def register(self, msg: dict, writer: Any) -> tuple[Replica | None, str | None]:
         """Accept a replica, or refuse it (second value: the error)."""
         rid = str(msg.get("replica_id", ""))
@@ -139,7 +144,8 @@ class Lighthouse:
             return None, "register needs a replica_id and an instance"
         old = self.replicas.get(rid)
         now = time.monotonic()
-        if old is not None and old.alive and old.instance != inst:
+        if self.taken_by_other(msg):
+            assert old is not None
             return None, (
                 f"replica id {rid!r} is already in use by a live replica (pid {old.pid} on "
                 f"{old.host or 'unknown host'}, last heartbeat {now - old.last_heartbeat:.1f} s ago); "
@@ -439,6 +445,13 @@ class LighthouseServer:
             writer.write(json.dumps({"op": "error", "error": "the first message must be register"}).encode() + b"\n")
             return
         r, error = lh.register(msg, writer)
+        # A live replica holding the id may be a process that has just exited (its registration
+        # read late, say by a lighthouse that was stopped): give its connection up to the
+        # heartbeat timeout to close before refusing a new process the id.
+        patience = time.monotonic() + lh.heartbeat_timeout
+        while r is None and lh.taken_by_other(msg) and time.monotonic() < patience:
+            await asyncio.sleep(0.05)
+            r, error = lh.register(msg, writer)
         if r is None:
             writer.write(json.dumps({"op": "error", "error": error}).encode() + b"\n")
             await writer.drain()
