@@ -62,7 +62,7 @@ def run_baby(rank: int, world: int, port: int) -> dict:
                 pg.allreduce(np.ones(2), dist.ReduceOp.SUM)
                 out["hang"] = "no error"
             except DistTimeoutError as e:
-                out["hang"] = ("timeout", round(time.monotonic() - t0, 1), "killed" in str(e))
+                out["hang"] = ("timeout", round(time.monotonic() - t0, 1), "killed" in str(e), e.peer, str(e))
             out["child_reaped"] = _gone(first_child)
             out["errored"] = pg.errored() is not None
             try:
@@ -92,7 +92,9 @@ def test_subprocess_group_collectives_and_a_hung_child():
     assert r0["child_differs"] and r0["allreduce"] == [3.0] * 5 == r1["allreduce"]
     assert r0["big"] == (1.0, 1.0) and r1["allgather"] == [0, 1]
     assert r0["broadcast"] == [1.0] * 3 and r1["recv"] == ([0.0, 1.0, 2.0, 3.0], 0)
-    assert r0["hang"][0] == "timeout" and r0["hang"][1] < 6 and r0["hang"][2], r0["hang"]
+    assert r0["hang"][0] == "timeout" and r0["hang"][1] < 8 and r0["hang"][2], r0["hang"]
+    # the child's own error, a moment behind, names the rank it waited for
+    assert r0["hang"][3] == 1 and "(the child: " in r0["hang"][4] and "rank 1" in r0["hang"][4], r0["hang"]
     assert r0["child_reaped"] and r0["errored"] and r0["later_fails_fast"]
     assert r1["stopped_child_reaped"]
     assert r0["alone"] == r1["alone"] == [1.0] * 3

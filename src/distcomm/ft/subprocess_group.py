@@ -10,8 +10,9 @@ in place, the proxy copies outputs back.  Commands and answers are small
 pickled frames on the same socket (parent and child only).
 
 If the backend hangs, the operation's Work times out after ``timeout`` in the
-trainer, and :meth:`abort` (also called on that timeout) kills the child with
-SIGKILL and reaps it: the trainer never blocks inside a collective it cannot
+trainer (whose error quotes the child's own, naming the rank it waited for, if
+that comes within :data:`CHILD_SAYS_WITHIN` more), and :meth:`abort` (also
+called on that timeout) kills the child with SIGKILL and reaps it: the trainer never blocks inside a collective it cannot
 interrupt.  ``shutdown`` asks the child to leave, then kills and reaps it.
 The child dies with its parent (Linux's parent-death signal).
 """
@@ -34,7 +35,7 @@ import numpy as np
 
 from ..arrays import as_array
 from ..deadline import Deadline, Timeout, to_seconds
-from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTypeError
+from ..errors import DistBackendError, DistError, DistInputError, DistTimeoutError, DistTypeError
 from ..group import ProcessGroup
 from ..sockets import shutdown_quietly
 from ..work import Work
@@ -44,6 +45,8 @@ __all__ = ["SubprocessProcessGroup"]
 
 _HEADER = struct.Struct("!I")
 _ALIGN = 64
+#: Seconds a timed-out operation waits for the child's own error (naming the rank it waited for).
+CHILD_SAYS_WITHIN = 1.0
 
 
 def send_frame(sock: socket.socket, obj: Any, fds: list[int] | None = None) -> None:
@@ -293,9 +296,18 @@ class SubprocessProcessGroup(ProcessGroup):
         try:
             work.wait(self.timeout)
         except DistTimeoutError as e:
+            # The child's group has the same timeout: its own error, naming the rank it waited
+            # for, is usually a moment behind.  Take it into the error, then kill the child.
+            said, peer = "", None
+            try:
+                work.wait(CHILD_SAYS_WITHIN)
+                return  # it finished after all
+            except DistError as child:
+                if work.is_completed():
+                    said, peer = f" (the child: {child})", getattr(child, "peer", None)
             err = DistTimeoutError(
-                f"{work.op} did not finish within {self.timeout:g} s in the group's child process; "
-                "the child was killed", op=work.op, timeout=self.timeout)
+                f"{work.op} did not finish within {self.timeout:g} s in the group's child process{said}; "
+                "the child was killed", op=work.op, timeout=self.timeout, peer=peer)
             self.abort(err)
             raise err from e
 
