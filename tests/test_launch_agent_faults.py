@@ -235,3 +235,25 @@ def test_the_report_names_the_rank_whose_error_came_first(tmp_path):
     assert "the first error was rank 2's (local rank 2, pid " in report, err
     assert "): ValueError: bad batch on rank 2\nlast lines of rank 2's stderr:\n" in report, err
     assert report.rstrip().endswith("ValueError: bad batch on rank 2"), err
+
+
+def test_error_record_directories_of_launchers_that_are_gone_are_removed(tmp_path, monkeypatch):
+    """A launcher killed with SIGKILL leaves its directory of error records; the next one
+    removes it (and leaves a live launcher's alone)."""
+    import os
+    import tempfile
+
+    from distcomm.launch import error_record
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = tmp_path / f"distcomm-errors-{int(gone.stdout)}-abc"
+    live = tmp_path / f"distcomm-errors-{os.getppid()}-def"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "attempt0-rank0.json").write_text("{}")
+    mine = error_record.make_dir()
+    assert os.path.basename(mine).startswith(f"distcomm-errors-{os.getpid()}-")
+    assert not dead.exists() and live.exists()
+    os.rmdir(mine)

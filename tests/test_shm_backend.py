@@ -293,3 +293,22 @@ def test_no_slot_has_its_data_at_the_start_of_a_page():
         assert starts[0] >= ctl and end == starts[-1] + slot
         assert all(b - a >= slot for a, b in zip(starts, starts[1:], strict=False)), size
         assert all(s % LINE == 0 and (s + HEADER) % 4096 for s in starts), size
+
+
+def test_a_shared_memory_directory_that_is_not_there_is_a_clear_error(monkeypatch, tmp_path):
+    from distcomm.transport import shm_segment
+
+    monkeypatch.setattr(shm_segment, "SHM_DIR", str(tmp_path / "missing"))
+    with pytest.raises(DistBackendError) as info:
+        shm_segment.free_bytes()
+    text = str(info.value)
+    assert text.startswith(f"the shared-memory directory {tmp_path / 'missing'} cannot be used: ")
+    assert "DISTCOMM_SHM_DIR" in text and "\n" not in text
+
+
+def test_sizes_in_messages_keep_the_bytes_one_decimal_would_hide():
+    from distcomm.transport.shm_segment import _mib
+
+    assert _mib(8 << 20) == "8.0 MiB" and _mib(14 << 20) == "14.0 MiB"
+    assert _mib(8390272) == "8.0 MiB (8390272 bytes)"  # (8 MiB free, 8.0 MiB needed, said a message)
+    assert _mib(4032) == "0.0 MiB (4032 bytes)"

@@ -310,7 +310,7 @@ class Agent:
         cannot be made (the report then names the first worker that exited)."""
         if self.error_dir is None:
             try:
-                self.error_dir = tempfile.mkdtemp(prefix="distcomm-errors-")
+                self.error_dir = error_record.make_dir()
             except OSError:
                 return None
         return os.path.join(self.error_dir, f"attempt{self.attempt}-rank{rank}.json")

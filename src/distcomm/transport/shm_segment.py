@@ -35,6 +35,7 @@ import time
 
 from ..errors import DistBackendError
 from ..fdlimit import fd_limits
+from ..pids import alive
 
 __all__ = ["Segment", "SHM_DIR", "host_key", "open_each", "open_shared", "reclaim_leftovers"]
 
@@ -138,7 +139,7 @@ class Segment:
             os.posix_fallocate(self.fd, offset, length)
         except OSError as e:
             raise DistBackendError(
-                f"{SHM_DIR} has {_mib(free_bytes())} free but {_mib(length)} ({length} bytes) are "
+                f"{SHM_DIR} has {_mib(free_bytes())} free but {_mib(length)} are "
                 f"needed in {self.name!r}: {e.strerror}; free space in {SHM_DIR}, enlarge it "
                 "(docker: --shm-size), or use smaller arrays"
             ) from None
@@ -202,18 +203,14 @@ def _os_error(e: OSError, what: str) -> DistBackendError:
 
 
 def free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
-
-
-def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        st = os.statvfs(SHM_DIR)
+    except OSError as e:
+        raise DistBackendError(
+            f"the shared-memory directory {SHM_DIR} cannot be used: {e.strerror} (DISTCOMM_SHM_DIR "
+            "names it; expected an existing directory on a memory file system such as /dev/shm)"
+        ) from None
+    return st.f_bavail * st.f_frsize
 
 
 def _abandoned(path: str, pid: int) -> bool:
@@ -228,7 +225,7 @@ def _abandoned(path: str, pid: int) -> bool:
     except BlockingIOError:
         return False  # its creator maps it: a live job, maybe in another pid namespace
     except OSError:
-        return not _alive(pid)
+        return not alive(pid)
     finally:
         os.close(fd)
     return True
@@ -257,7 +254,9 @@ def reclaim_leftovers(min_age: float = RECLAIM_MIN_AGE) -> list[str]:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """``n`` bytes in MiB, with the bytes where one decimal would hide them."""
+    mib = round(n / 2**20, 1)
+    return f"{mib:.1f} MiB" if mib * 2**20 == n or n >= 2**30 else f"{mib:.1f} MiB ({n} bytes)"
 
 
 #: What rank 0 publishes instead of a segment name when it could not make the segment.
