@@ -89,15 +89,15 @@ def _slow_steps(rank: int, world: int, lh_addr: str, steps: int, compute: float)
         while m.current_step() < steps:
             try:
                 m.start_quorum()
+                g = np.ones(4)
+                time.sleep(compute)  # forward and backward, longer than the join timeout
+                m.allreduce(g)
+                if m.should_commit():
+                    params["w"] -= g
             except DistTimeoutError:
-                if seen:
-                    break  # left out of the last steps on a loaded machine: the others are done
+                if seen:  # no quorum for a replica a step behind: the others are done and gone
+                    break
                 raise
-            g = np.ones(4)
-            time.sleep(compute)  # forward and backward, longer than the join timeout
-            m.allreduce(g)
-            if m.should_commit():
-                params["w"] -= g
             seen.append(m.num_participants())
         return seen
     finally:
