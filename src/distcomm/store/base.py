@@ -139,7 +139,8 @@ def to_bytes(value: object, key: str | None = None) -> bytes:
 
 def check_amount(amount: object, key: str) -> int:
     if not isinstance(amount, bool) and not isinstance(amount, int) and hasattr(amount, "__index__"):
-        amount = operator.index(amount)  # type: ignore[arg-type]  # a NumPy or torch integer
+        with contextlib.suppress(TypeError):  # (a float tensor has __index__ and refuses it)
+            amount = operator.index(amount)  # type: ignore[arg-type]  # a NumPy or torch integer
     if isinstance(amount, bool) or not isinstance(amount, int):
         raise DistTypeError(
             f"store add amount for key {key!r} must be int, got {type(amount).__name__}",
