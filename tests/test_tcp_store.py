@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import os
 import signal
 import socket
@@ -512,19 +511,3 @@ def test_a_client_of_a_smaller_world_does_not_end_the_masters_wait():
             TCPStore("127.0.0.1", port, world_size=3, is_master=True, timeout=timedelta(seconds=1.5))
     finally:
         t.join(10)
-
-
-@pytest.mark.timeout(60)
-def test_a_torch_store_client_is_told_apart(caplog):
-    """A torch.distributed TCPStore client (a torch program's init_process_group under
-    `distcomm run`) is dropped with a warning that says what it is and what to do."""
-    torch_dist = pytest.importorskip("torch.distributed")
-    caplog.set_level(logging.WARNING, logger="distcomm.store")
-    with TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) as master:
-        with pytest.raises(Exception):  # noqa: B017 - torch's own error (its type varies by version)
-            torch_dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=3))
-        said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-        assert any("a torch.distributed TCPStore client: this is a distcomm store" in m
-                   and "torchrun" in m for m in said), said
-        master.set("x", b"1")  # the store goes on
-        assert master.get("x") == b"1"

@@ -45,11 +45,19 @@ from ..errors import (
     DistStoreTimeoutError,
 )
 from ..store import TCPStore, auth
+from ..store.tcp_server import StoreServer
 from ..transport.tcp_wire import HOST_VAR
 from . import error_record
 from .args import RunConfig
 from .output import LineCopy, StreamSink, end_open_line
-from .rdzv import NOTE_AFTER, NOTE_EVERY, Membership, NodeRendezvous, RendezvousFailed
+from .rdzv import (
+    NOTE_AFTER,
+    NOTE_EVERY,
+    Membership,
+    NodeRendezvous,
+    RendezvousFailed,
+    rdzv_namespace,
+)
 from .workers import Worker, WorkerSpec, describe_exit, signal_name, start_worker
 
 __all__ = ["Agent", "LaunchError"]
@@ -229,6 +237,7 @@ class Agent:
                                       auth_token=self.auth_token)
                 self.store.set_timeout(timeout)
                 self.hosting = True
+                self._serve_torch(self.store.server)
                 return
             except DistConnectTimeoutError as e:
                 raise LaunchError(
@@ -270,20 +279,30 @@ class Agent:
             except DistError as e:
                 raise LaunchError(f"cannot reach the job's store at {addr}: {_reason(e)}") from None
 
+    def _serve_torch(self, server: StoreServer | None) -> None:
+        """Let torch.distributed's TCPStore clients in (a torch program's ``env://`` under this
+        launcher: ``TORCHELASTIC_USE_AGENT_STORE``, as torchrun), each rendezvous round's under
+        a prefix of its own, so a restarted generation finds none of the last one's keys."""
+        if server is None:
+            return
+        round_key = f"{rdzv_namespace(self.cfg.rdzv_id)}round".encode()
+        torch_ns = f"{rdzv_namespace(self.cfg.rdzv_id)}torch/round".encode()
+        server.torch_keys = lambda: torch_ns + (server.peek(round_key) or b"0")
+
     # -- workers -------------------------------------------------------------
     def _worker_env(self, m: Membership, local_rank: int) -> dict[str, str]:
         cfg = self.cfg
         assert self.store is not None
         rank = m.rank_offset + local_rank
         env = dict(os.environ)
-        for name in ("TORCHELASTIC_USE_AGENT_STORE", "DISTCOMM_STORE_PORT"):
-            env.pop(name, None)
+        env.pop("DISTCOMM_STORE_PORT", None)
         values = {
             "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": m.world_size,
             "LOCAL_WORLD_SIZE": cfg.nproc, "GROUP_RANK": m.group_rank,
             "GROUP_WORLD_SIZE": m.nnodes, "ROLE_NAME": cfg.role, "ROLE_RANK": rank,
             "ROLE_WORLD_SIZE": m.world_size, "MASTER_ADDR": cfg.store_host,
             "MASTER_PORT": self.store.port, "DISTCOMM_USE_AGENT_STORE": 1,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # torch's env:// is a client too (_serve_torch)
             "DISTCOMM_STORE_PREFIX": f"run/{m.run_id}/round{m.round}",
             "DISTCOMM_RUN_ID": m.run_id, "TORCHELASTIC_RUN_ID": m.run_id,
             "DISTCOMM_RESTART_COUNT": self.restarts, "TORCHELASTIC_RESTART_COUNT": self.restarts,

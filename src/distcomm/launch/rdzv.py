@@ -40,7 +40,7 @@ from ..deadline import Deadline
 from ..errors import DistError
 from ..store import Store
 
-__all__ = ["Membership", "NodeRendezvous", "RendezvousFailed"]
+__all__ = ["Membership", "NodeRendezvous", "RendezvousFailed", "rdzv_namespace"]
 
 #: Seconds between store polls while waiting for a round to close.
 POLL = 0.02
@@ -74,7 +74,7 @@ class NodeRendezvous:
         node_rank: int | None, last_call: float, join_timeout: float, run_id: str,
     ) -> None:
         self.store = store
-        self.ns = f"rdzv/{rdzv_id}/"
+        self.ns = rdzv_namespace(rdzv_id)
         self.min, self.max = nnodes
         self.info = {
             "host": socket.gethostname(),
@@ -310,6 +310,11 @@ class NodeRendezvous:
             world_size=sum(sizes),
             hosts=tuple(nodes[i]["host"] for i in order),
         )
+
+
+def rdzv_namespace(rdzv_id: str) -> str:
+    """The prefix of the keys of rendezvous ``rdzv_id`` (``round`` holds its current round)."""
+    return f"rdzv/{rdzv_id}/"
 
 
 def _seniority(node: dict, index: int) -> tuple[int, int, int, int]:

@@ -156,6 +156,11 @@ class TCPStore(Store):
     def world_size(self) -> int | None:
         return self._world_size
 
+    @property
+    def server(self) -> StoreServer | None:
+        """The server this master runs (None for a client), e.g. to set its ``torch_keys``."""
+        return self._server
+
     # -- setup -------------------------------------------------------------
     def _start_server(self, multi_tenant: bool, listen_fd: int | None) -> None:
         bind_host = _bind_host(self._host)

@@ -13,7 +13,10 @@ so answers leave in request order.
 
 A misbehaving connection (garbage, foreign protocol, oversize frame, no
 handshake in time, a failed authentication) is logged and closed; nothing
-else is touched.  Warnings about dropped connections are rate limited (a
+else is touched.  Where the owner allows it (:attr:`StoreServer.torch_keys`),
+torch.distributed's own ``TCPStore`` client is served too, in its own
+protocol (:mod:`.torch_wire`) and under a key prefix of its own: it cannot
+authenticate, so it reaches no key of distcomm's.  Warnings about dropped connections are rate limited (a
 port scanner does not flood the log); :attr:`StoreServer.stats` counts them
 all.  With a token (``auth_token=``, else ``DISTCOMM_AUTH_TOKEN``) only
 clients that prove they know it get past the handshake (see
@@ -28,6 +31,7 @@ import errno
 import heapq
 import itertools
 import logging
+import math
 import os
 import select
 import selectors
@@ -35,11 +39,13 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from ..errors import DistStoreValueError
 from ..fdlimit import fd_limits, raise_fd_limit
 from . import auth
 from . import tcp_protocol as p
+from . import torch_wire as tw
 from .base import _ITEM, INTERNAL_PREFIX, MAX_KEY_BYTES, QUEUE_PREFIX, apply_add, apply_compare_set
 
 __all__ = ["StoreServer"]
@@ -63,7 +69,7 @@ _SHARE_WAIT_BYTES = 256
 
 class _Conn:
     __slots__ = ("sock", "addr", "rbuf", "wbuf", "woff", "ready", "waiter", "closed", "writing",
-                 "challenge")
+                 "challenge", "torch_ns")
 
     def __init__(self, sock: socket.socket, addr: str) -> None:
         self.sock = sock
@@ -76,6 +82,7 @@ class _Conn:
         self.closed = False
         self.writing = False
         self.challenge: tuple[bytes, bytes] | None = None  # (client, server) nonces
+        self.torch_ns: bytes | None = None  # a torch.distributed client: the prefix of its keys
 
 
 class _Waiter:
@@ -123,6 +130,10 @@ class StoreServer:
         self._handshake_timeout = float(handshake_timeout)
         #: Counters: ``accepted`` connections, ``dropped`` (misbehaving), ``refused_auth``.
         self.stats = {"accepted": 0, "dropped": 0, "refused_auth": 0}
+        #: None: torch.distributed's TCPStore clients are turned away (the default).  Else a
+        #: function returning the prefix under which a torch client that connects now keeps its
+        #: keys; it runs in the server's thread and may read keys with :meth:`peek`.
+        self.torch_keys: Callable[[], bytes] | None = None
         raise_fd_limit()
         if listen_fd is not None:
             self._listener = socket.socket(fileno=listen_fd)
@@ -171,6 +182,10 @@ class StoreServer:
             pass
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    def peek(self, key: bytes) -> bytes | None:
+        """The value of ``key`` (for :attr:`torch_keys`, in the server's thread)."""
+        return self._data.get(key)
 
     @property
     def num_connections(self) -> int:
@@ -299,7 +314,7 @@ class StoreServer:
             conn.rbuf += data
         else:
             conn.rbuf = bytearray(data)
-        if conn.waiter is None:
+        if conn.waiter is None or conn.torch_ns is not None:  # (a torch wait may be cancelled)
             self._process(conn)
 
     def _send(self, conn: _Conn, data: bytes) -> None:
@@ -350,6 +365,9 @@ class StoreServer:
                 if pos and not conn.closed:
                     del buf[:pos]
                 return
+        if conn.torch_ns is not None:
+            self._process_torch(conn, buf, pos)
+            return
         end = len(buf)
         while conn.waiter is None and not conn.closed and end - pos >= 4:
             (n,) = p.U32.unpack_from(buf, pos)
@@ -376,6 +394,12 @@ class StoreServer:
         """Advance ``conn``'s handshake with what ``buf`` holds; return the bytes used."""
         if conn.challenge is not None:
             return self._check_proof(conn, buf)
+        if self.torch_keys is not None and tw.HELLO.startswith(bytes(buf[:5])):
+            if len(buf) < len(tw.HELLO):
+                return 0
+            conn.torch_ns = self.torch_keys()
+            conn.ready = True
+            return len(tw.HELLO)
         size = p.HANDSHAKE.size
         if len(buf) < size:
             if not p.MAGIC.startswith(bytes(buf[:4])):
@@ -455,21 +479,15 @@ class StoreServer:
                 self._park(conn, op, [key], p.unpack_seconds(f[1]))
         elif op == p.ADD:
             _arity(f, 2)
-            key = _key(f[0])
             try:
-                value, total = apply_add(key.decode("utf-8", "replace"), data.get(key), p.unpack_int(f[1]))
+                total = self._add(_key(f[0]), p.unpack_int(f[1]))
             except DistStoreValueError as e:
                 self._send(conn, p.frame(p.VALUE_ERROR, str(e).encode()))
                 return
-            self._put(key, value)
             self._send(conn, p.frame(p.OK, p.pack_int(total)))
         elif op == p.CAS:
             _arity(f, 3)
-            key = _key(f[0])
-            new, result = apply_compare_set(data.get(key), f[1], f[2])
-            if new is not None:
-                self._put(key, new)
-            self._send(conn, p.frame(p.OK, result))
+            self._send(conn, p.frame(p.OK, self._compare_set(_key(f[0]), f[1], f[2])))
         elif op == p.WAIT:
             _arity(f, 2)
             raw, seconds = f[0], p.unpack_seconds(f[1])
@@ -491,11 +509,7 @@ class StoreServer:
             self._send(conn, p.frame(p.OK, p.pack_int(self._visible)))
         elif op == p.DELETE:
             _arity(f, 1)
-            key = _key(f[0])
-            existed = data.pop(key, None) is not None
-            if existed and not key.startswith(_INTERNAL):
-                self._visible -= 1
-            self._send(conn, p.frame(p.OK, p.pack_int(int(existed))))
+            self._send(conn, p.frame(p.OK, p.pack_int(int(self._delete(_key(f[0]))))))
         elif op == p.MSET:
             keys = _keys(f[0]) if f else []
             if len(f) != len(keys) + 1:
@@ -505,8 +519,7 @@ class StoreServer:
             self._send(conn, _OK)
         elif op == p.APPEND:
             _arity(f, 2)
-            key = _key(f[0])
-            self._put(key, data.get(key, b"") + f[1])
+            self._append(_key(f[0]), f[1])
             self._send(conn, _OK)
         elif op == p.PING:
             self._send(conn, _OK)
@@ -516,6 +529,87 @@ class StoreServer:
             self._send(conn, p.frame(p.OK, p.join_keys(keys)))
         else:
             raise p.BadFrame(f"unknown opcode {op}")
+
+    # -- torch.distributed's clients ------------------------------------------
+    def _process_torch(self, conn: _Conn, buf: bytearray, pos: int) -> None:
+        """Serve the complete torch queries in ``buf`` from ``pos`` (see :mod:`.torch_wire`)."""
+        while not conn.closed and pos < len(buf):
+            if conn.waiter is not None and buf[pos] != tw.CANCEL_WAIT:
+                break  # (the client sends nothing else while it waits)
+            try:
+                op, fields, end = tw.parse(buf, pos)
+            except tw.Incomplete:
+                break
+            except tw.Unsupported as e:
+                self._drop(conn, str(e))
+                return
+            pos = end
+            try:
+                self._handle_torch(conn, op, fields)
+            except (p.BadFrame, DistStoreValueError) as e:
+                self._drop(conn, f"torch.distributed client: {e}")
+                return
+        if pos and not conn.closed:
+            del buf[:pos]
+
+    def _handle_torch(self, conn: _Conn, op: int, f: list) -> None:
+        ns = conn.torch_ns
+        assert ns is not None
+        data = self._data
+        if op == tw.SET:
+            self._put(_key(ns + f[0]), f[1])
+        elif op == tw.GET:
+            self._send(conn, tw.string(data.get(_key(ns + f[0]), b"")))
+        elif op == tw.WAIT:
+            self._park(conn, _TORCH_WAIT, [_key(ns + k) for k in f], math.inf)
+        elif op == tw.CANCEL_WAIT:
+            if conn.waiter is not None:
+                self._unpark(conn.waiter)
+            self._send(conn, tw.WAIT_CANCELED)
+        elif op == tw.MULTI_GET:
+            self._send(conn, b"".join(tw.string(data.get(_key(ns + k), b"")) for k in f))
+        elif op == tw.ADD:
+            self._send(conn, tw.int64(self._add(_key(ns + f[0]), f[1])))
+        elif op == tw.COMPARE_SET:
+            self._send(conn, tw.string(self._compare_set(_key(ns + f[0]), f[1], f[2])))
+        elif op == tw.CHECK:
+            self._send(conn, tw.READY if all(_key(ns + k) in data for k in f) else tw.NOT_READY)
+        elif op == tw.GETNUMKEYS:
+            self._send(conn, tw.int64(sum(1 for k in data if k.startswith(ns))))
+        elif op == tw.DELETE_KEY:
+            self._send(conn, tw.int64(int(self._delete(_key(ns + f[0])))))
+        elif op == tw.APPEND:
+            self._append(_key(ns + f[0]), f[1])
+        elif op == tw.MULTI_SET:
+            for k, v in zip(f[::2], f[1::2], strict=True):
+                self._put(_key(ns + k), v)
+        elif op == tw.PING:
+            self._send(conn, tw.nonce(f[0]))
+        elif op == tw.VALIDATE:
+            if f[0] != tw.MAGIC:
+                raise p.BadFrame(f"bad validation number {f[0]:#x}")
+
+    # -- the data ----------------------------------------------------------
+    def _add(self, key: bytes, amount: int) -> int:
+        """Add ``amount`` to ``key``'s counter; the new total (DistStoreValueError if no counter)."""
+        value, total = apply_add(key.decode("utf-8", "replace"), self._data.get(key), amount)
+        self._put(key, value)
+        return total
+
+    def _compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        new, result = apply_compare_set(self._data.get(key), expected, desired)
+        if new is not None:
+            self._put(key, new)
+        return result
+
+    def _delete(self, key: bytes) -> bool:
+        existed = self._data.pop(key, None) is not None
+        if existed and not key.startswith(_INTERNAL):
+            self._visible -= 1
+        return existed
+
+    def _append(self, key: bytes, value: bytes) -> None:
+        self._put(key, self._data.get(key, b"") + value)
 
     def _put(self, key: bytes, value: bytes) -> None:
         data = self._data
@@ -570,7 +664,12 @@ class StoreServer:
             return self._advance(w, resume)
         if w.raw is not None and self._leaders.get(w.raw) is w:
             del self._leaders[w.raw]
-        answer = _OK if w.op == p.WAIT else p.frame(p.OK, *(data.get(k, b"") for k in keys))
+        if w.op == p.WAIT:
+            answer = _OK
+        elif w.op == _TORCH_WAIT:
+            answer = tw.STOP_WAITING
+        else:
+            answer = p.frame(p.OK, *(data.get(k, b"") for k in keys))
         for x in [w, *w.followers]:
             if not x.active:
                 continue
@@ -647,6 +746,9 @@ class StoreServer:
 
 
 _OK = p.frame(p.OK)
+#: A waiter's ``op`` for a torch client's WAIT (its answer differs; it never times out here:
+#: the client cancels it).
+_TORCH_WAIT = 256
 #: The timer heap keeps an answered wait's entry until its deadline (the wait's timeout,
 #: often minutes) or until the heap passes this size (or twice its live entries) and is
 #: compacted: a job making and destroying groups keeps its store's memory flat.
@@ -803,9 +905,9 @@ _TORCH_HELLO = b"\x00\xce\xf7\x85\x3c"
 
 def _stranger(sent: bytes) -> str:
     """Why a connection that is no distcomm client is dropped (naming torch's, the likely one:
-    a torch program's ``init_process_group`` under ``distcomm run``)."""
+    a torch program pointed at a distcomm program's store)."""
     if _TORCH_HELLO.startswith(sent[:5]) and len(sent) >= 1:
-        return ("a torch.distributed TCPStore client: this is a distcomm store (another protocol); "
-                "under `distcomm run` a torch.distributed program's init_process_group needs "
-                "init_method='tcp://HOST:PORT' with a port of its own, or launch it with torchrun")
+        return ("a torch.distributed TCPStore client: this distcomm store serves torch's clients "
+                "only when a launcher hosts it: start the torch program with `distcomm run` or "
+                "torchrun, or give it a store of its own (init_method='tcp://HOST:PORT')")
     return f"not a distcomm store client (sent {sent[:16]!r})"
