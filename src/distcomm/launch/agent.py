@@ -636,9 +636,9 @@ class Agent:
         if gone:
             ranks = f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}"
             them = "them" if len(gone) > 1 else "it"
-            report.append(f"before that, {ranks} exited with code 0 while the others ran; ranks "
-                          f"waiting for {them} (in init_process_group or a collective) wait until "
-                          "their timeout")
+            report.append(f"before that, {ranks} exited with code 0 while the others ran; a rank "
+                          f"waiting for {them} to join init_process_group waits until its timeout "
+                          "(one waiting in a collective is told at once)")
         if tail:
             report.append(f"last lines of rank {w.spec.rank}'s stderr:")
             report.extend(f"  {line}" for line in tail)
