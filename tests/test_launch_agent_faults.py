@@ -257,3 +257,28 @@ def test_error_record_directories_of_launchers_that_are_gone_are_removed(tmp_pat
     assert os.path.basename(mine).startswith(f"distcomm-errors-{os.getpid()}-")
     assert not dead.exists() and live.exists()
     os.rmdir(mine)
+
+
+@pytest.mark.timeout(60)
+def test_a_torch_record_is_read_as_an_error_record(tmp_path):
+    """torch's ``@record`` writes its own format to ``TORCHELASTIC_ERROR_FILE`` (which the
+    launcher points at the worker's record): read as the worker's error, timed by the file."""
+    pytest.importorskip("torch")
+    import os
+
+    from distcomm.launch import error_record
+
+    path = tmp_path / "rank0.json"
+    code = ("from torch.distributed.elastic.multiprocessing.errors import record\n"
+            "@record\ndef main():\n    raise ValueError('bad batch\\nsecond line')\nmain()\n")
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(path)}
+    env.pop(error_record.ENV_VAR, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 1 and path.exists(), done.stderr
+    record = error_record.read(str(path))
+    assert record == {"time": os.stat(path).st_mtime, "type": "ValueError", "message": "bad batch",
+                      "peer": None}, record
+    path.write_text('{"message": {"message": "no type here"}}')
+    assert error_record.read(str(path))["type"] == "Exception"
+    path.write_text('{"message": {"message": 3}}')
+    assert error_record.read(str(path)) is None

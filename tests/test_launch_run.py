@@ -34,7 +34,8 @@ dist.all_reduce(a)
 names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
          "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
          "DISTCOMM_RUN_ID", "TORCHELASTIC_RUN_ID", "DISTCOMM_RESTART_COUNT",
-         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS"]
+         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
+         "TORCHELASTIC_USE_AGENT_STORE", "DISTCOMM_ERROR_FILE", "TORCHELASTIC_ERROR_FILE"]
 info = {n: os.environ.get(n) for n in names}
 info.update(sum=float(a[0]), rank=dist.get_rank(), size=dist.get_world_size(), argv=sys.argv[1:])
 print("ENV " + json.dumps(info))
@@ -126,6 +127,8 @@ def test_workers_get_the_environment_and_prefixed_output(tmp_path):
         assert e["DISTCOMM_RUN_ID"] == e["TORCHELASTIC_RUN_ID"] == info[0]["DISTCOMM_RUN_ID"]
         assert e["DISTCOMM_RESTART_COUNT"] == e["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert e["TORCHELASTIC_MAX_RESTARTS"] == "2" and e["OMP_NUM_THREADS"] == "1"
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torch's env:// finds the store too
+        assert e["DISTCOMM_ERROR_FILE"] == e["TORCHELASTIC_ERROR_FILE"] and e["DISTCOMM_ERROR_FILE"]
     assert sorted(out.stderr.splitlines()) == [f"[rank{r}]:err line of {r}" for r in range(3)]
 
 

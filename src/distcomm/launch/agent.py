@@ -321,6 +321,7 @@ class Agent:
         path = self._error_path(rank)
         if path is not None:
             env[error_record.ENV_VAR] = path
+            env["TORCHELASTIC_ERROR_FILE"] = path  # (torch's @record writes its own record there)
         return env
 
     def _error_path(self, rank: int) -> str | None:

@@ -62,15 +62,31 @@ def write(path: str, error: BaseException) -> None:
 
 
 def read(path: str) -> dict | None:
-    """The record at ``path``, or None (none written, or not a record)."""
+    """The record at ``path``, or None (none written, or not a record).  A record of
+    torch's ``@record`` (``TORCHELASTIC_ERROR_FILE``, set to the same path) is read too."""
     try:
         with open(path) as f:
             record = json.load(f)
+        if isinstance(record, dict) and isinstance(record.get("message"), dict):
+            record = _from_torch(record["message"], os.stat(path).st_mtime)
     except (OSError, ValueError):
         return None
     ok = isinstance(record, dict) and isinstance(record.get("time"), (int, float)) \
         and isinstance(record.get("type"), str) and isinstance(record.get("message"), str)
     return record if ok else None
+
+
+def _from_torch(entry: dict, written: float) -> dict | None:
+    """A record from torch's (``{"message": "Type: text", "extraInfo": {...}}``; its
+    timestamp has whole seconds only, so the file's time says when)."""
+    text = entry.get("message")
+    if not isinstance(text, str):
+        return None
+    kind, sep, rest = text.partition(": ")
+    if not sep or not kind.isidentifier():
+        kind, rest = "Exception", text
+    lines = rest.splitlines()
+    return {"time": written, "type": kind, "message": lines[0][:500] if lines else "", "peer": None}
 
 
 _DIR = re.compile(r"distcomm-errors-(\d+)-")
