@@ -328,6 +328,73 @@ def test_a_signal_to_the_launcher_leaves_no_worker(tmp_path, sig):
     assert_gone(pids)
 
 
+def test_a_stopped_worker_gets_the_launchers_signal_at_once(tmp_path):
+    """SIGTERM to the launcher while a worker is stopped (SIGSTOP, a debugger): the worker is
+    continued, so it ends by that signal, not by SIGKILL after --shutdown-timeout."""
+    prog = write(tmp_path, "wait.py", WAIT_PROG.replace("time.sleep(60)", """
+import signal
+def bye(*_):
+    open(os.path.join(d, "term" + os.environ["RANK"]), "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+time.sleep(60)
+"""))
+    with subprocess.Popen([*RUN, "--nproc-per-node", "2", "--shutdown-timeout", "300", prog, str(tmp_path)],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
+        pids = wait_pids(tmp_path, 2)
+        os.kill(pids[1], signal.SIGSTOP)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)  # (not the 300 s of --shutdown-timeout)
+    assert job.returncode == 128 + signal.SIGTERM, err
+    assert (tmp_path / "term1").exists() and (tmp_path / "term0").exists()
+    assert_gone(pids)
+
+
+#: Runs the launcher with a SIGTERM sent to itself right after its second worker started
+#: (inside the loop that starts them); records every worker's pid in DIR/started.
+SIGNAL_WHILE_STARTING = """
+import os, signal, sys
+import distcomm.launch.agent as agent
+from distcomm.launch import cli
+d, real = sys.argv[1], agent.start_worker
+def start_worker(spec, out, err):
+    w = real(spec, out, err)
+    with open(os.path.join(d, "started"), "a") as f:
+        f.write(f"{w.proc.pid}\\n")
+    if spec.local_rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return w
+agent.start_worker = start_worker
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_a_signal_while_workers_start_leaves_none_of_them(tmp_path):
+    """Every worker started before the launcher's signal is stopped with its process group
+    (here a shell's child): none goes untracked by a signal between its start and its
+    bookkeeping."""
+    wrapper = write(tmp_path, "wrapper.py", SIGNAL_WHILE_STARTING)
+    out = subprocess.run([sys.executable, wrapper, str(tmp_path), "--nproc-per-node", "3", "--no-python",
+                          "sh", "-c", "sleep 60; true"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    started = [int(p) for p in (tmp_path / "started").read_text().split()]
+    assert len(started) == 2, started  # (no worker is started after the signal)
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(_group_alive(p) for p in started):
+        time.sleep(0.05)
+    assert not [p for p in started if _group_alive(p)], "a worker's process group outlived the launcher"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_what_workers_leave_behind_is_killed(tmp_path):
     # each worker starts a background sleep in its own process group, and exits 0 at once
     script = f'sleep 60 & echo $! > {tmp_path}/pid$RANK; exit 0'

@@ -405,9 +405,15 @@ class Agent:
         return sinks[0], sinks[1]
 
     def _start_workers(self, m: Membership) -> None:
+        # From here a signal is only noted (self.signum): raised between Popen and the
+        # bookkeeping below it would leave a started worker untracked, or tracked with its
+        # pipes unregistered (_release then failed with KeyError, skipping the cleanup).
+        self.raise_on_signal = False
         self.workers = []
         self._close_copies()  # (the last attempt's workers are gone)
         for local_rank in range(self.cfg.nproc):
+            if self.signum is not None:  # arrived while starting: start no more
+                break
             spec = WorkerSpec(local_rank, m.rank_offset + local_rank, self.cfg.argv,
                               self._worker_env(m, local_rank))
             out, err = self._sinks(local_rank, spec.rank)
@@ -417,12 +423,11 @@ class Agent:
                 out.close()
                 err.close()
                 raise LaunchError(f"cannot start {self.cfg.argv[0]!r}: {e.strerror or e}") from None
-            self.workers.append(w)
             for fd in w.open_fds:
                 self.sel.register(fd, selectors.EVENT_READ, ("out", w))
             if w.pidfd is not None:
                 self.sel.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
-        self.raise_on_signal = False
+            self.workers.append(w)
         if self.signum is not None:  # arrived while starting
             raise _Interrupted(self.signum)
 
@@ -457,10 +462,12 @@ class Agent:
             w.poll()
 
     def _release(self, w: Worker) -> None:
+        registered = self.sel.get_map()
         for fd in list(w.open_fds):
             w.drain(fd)
-            self.sel.unregister(fd)
-        if w.pidfd is not None:
+            if fd in registered:  # (never raise here: run()'s finally must complete)
+                self.sel.unregister(fd)
+        if w.pidfd is not None and w.pidfd in registered:
             self.sel.unregister(w.pidfd)
         w.close_fds()
 

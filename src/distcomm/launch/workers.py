@@ -27,6 +27,9 @@ try:
 except (OSError, AttributeError):  # not Linux
     _prctl = None
 
+#: Signals that stop a worker: a stopped one is continued to receive them.
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
 
 @dataclass
 class WorkerSpec:
@@ -98,6 +101,10 @@ class Worker:
             return
         try:
             os.killpg(self.proc.pid, sig)
+            if sig in _STOPPING:
+                # a stopped worker (kill -STOP, a debugger, SIGTSTP) would keep the signal
+                # pending until the SIGKILL after --shutdown-timeout: let it act now
+                os.killpg(self.proc.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
 
