@@ -164,6 +164,18 @@ def test_dumps_of_another_run_are_left_out(tmp_path, capsys):
     assert "warning: left out rank0-copy.json: rank0.json is a newer dump of rank 0" in out, out
 
 
+def test_dumps_of_an_earlier_round_of_the_run_are_left_out(tmp_path, capsys):
+    # a restart (--max-restarts): rank1.json is from the first generation of the same run id
+    _write(tmp_path, "rank0.json", _dump(0, [_entry(1), _entry(2, state="started")], run_id="r", round=1,
+                                         time=2000.0))
+    _write(tmp_path, "rank1.json", _dump(1, [_entry(1, op="broadcast", state="failed")], run_id="r", round=0))
+    rc, out, err = _run(capsys, tmp_path)
+    assert rc == 0, err
+    assert "dumps from rank 0; missing: rank 1" in out, out
+    assert "broadcast" not in out, out
+    assert "warning: left out rank1.json: it is from an earlier round of the run (round 0, written " in out, out
+
+
 def test_a_stray_file_with_a_rank_outside_the_world_is_skipped(tmp_path, capsys):
     # a 2-rank run's dumps, and a file that only names a rank
     _good(tmp_path)

@@ -135,6 +135,14 @@ def _one_run(found: list[tuple[str, dict[str, Any]]], errors: list[str]) -> dict
     out is listed in ``errors``, saying why."""
     found = sorted(found, key=lambda f: f[1].get("time") or 0.0, reverse=True)  # newest first
     run = next((d["run_id"] for _, d in found if d.get("run_id") is not None), None)
+    # the round (generation) of the run's newest dump: a restart's ranks are other processes
+    rnd = next((d["round"] for _, d in found if d.get("run_id") in (None, run) and d.get("round") is not None),
+               None)
+    found_old = [(n, d) for n, d in found if d.get("run_id") in (None, run) and d.get("round") not in (None, rnd)]
+    for name, d in found_old:
+        errors.append(f"left out {name}: it is from an earlier round of the run (round {d['round']}, written "
+                      f"{_clock(d)}; the newest dumps are of round {rnd}: a restart or a change of nodes)")
+    found = [f for f in found if f not in found_old]
     # the world size of the run: the one most of its dumps give (of those, the newest dump's)
     sizes = Counter(d["world_size"] for _, d in found if d.get("run_id") in (None, run))
     world = sizes.most_common(1)[0][0] if sizes else None
@@ -182,7 +190,7 @@ _STACKS: _Check = (lambda x: isinstance(x, dict) and all(isinstance(v, str) for 
 
 # field -> check, for the fields the analysis reads; a field may be missing or null unless required
 _DUMP: dict[str, _Check] = {
-    "time": _TIME, "run_id": _STR, "reason": _STR, "recorder_size": _SIZE, "package_dir": _STR,
+    "time": _TIME, "run_id": _STR, "round": _SEQ, "reason": _STR, "recorder_size": _SIZE, "package_dir": _STR,
     "entries": _LIST, "groups": _LIST, "stacks": _STACKS,
 }
 _ENTRY: dict[str, _Check] = {

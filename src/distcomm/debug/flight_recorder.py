@@ -59,6 +59,15 @@ def dump_dir() -> str:
     return os.path.join(path, f"shrink{_state['shrinks']}") if _state["shrinks"] else path
 
 
+def _round() -> int | None:
+    """The launcher's rendezvous round (a restart or a membership change starts another:
+    the same ranks are then other processes), if a launcher said it."""
+    try:
+        return int(os.environ["DISTCOMM_RDZV_ROUND"])
+    except (KeyError, ValueError):
+        return None
+
+
 def run_id_from_env() -> str | None:
     return os.environ.get("DISTCOMM_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
 
@@ -150,6 +159,7 @@ def snapshot(reason: str) -> dict[str, Any]:
         "rank": _state["rank"],
         "world_size": _state["world_size"],
         "run_id": _state["run_id"],
+        "round": _round(),
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "time": round(time.time(), 6),

@@ -68,6 +68,10 @@ EXIT_BARRIER_TIMEOUT = 300.0
 #: read why, at most this long (s): closing at once would leave them without the message,
 #: their workers running on.
 ABORT_LINGER = 10.0
+
+#: Seconds without a beat from a node's launcher after which the store's host, its own
+#: workers done, stops waiting for that node to report.
+LAUNCHER_SILENT = 15.0
 #: Most seconds the others get to notice, by themselves, a worker killed by a signal
 #: before they are stopped: their errors name it and their flight recorders dump.
 NOTICE_GRACE = 0.5
@@ -126,6 +130,7 @@ class Agent:
         self.signals = 0  # how many stopping signals arrived
         self.raise_on_signal = True
         self.store_lost = False
+        self.other_abort: str | None = None  # what another node said when it gave up
         self.store_silent_since: float | None = None  # when store calls began to get no answer
         self.hosting = False  # this launcher runs the job's store server
         self.sel = selectors.DefaultSelector()
@@ -350,6 +355,15 @@ class Agent:
         _, _, first, record = min(own, key=lambda item: item[:2])
         return None if first is w else (first, record)
 
+    def _blames_this_node(self, w: Worker, noticed: float) -> bool:
+        """Whether ``w`` recorded, before ``noticed``, an uncaught error of its own or one
+        naming a rank of this node as its cause (a rank here that hung or died)."""
+        path = self._error_path(w.spec.rank)
+        record = error_record.read(path) if path is not None else None
+        if record is None or record["time"] > noticed:
+            return False
+        return record.get("peer") is None or record["peer"] in {x.spec.rank for x in self.workers}
+
     def _log_path(self, *parts: str) -> str:
         """A path in this attempt's log directory (made on first use: a new directory for
         each run and node, as torchrun's), its directories made."""
@@ -557,20 +571,25 @@ class Agent:
             _say(f"the job's store did not answer for {STORE_SILENCE_GIVE_UP:g} s; "
                  "going on without it")
 
-    def _round_changed(self, m: Membership) -> int | None | str:
+    def _round_changed(self, m: Membership, say: bool = True) -> int | None | str:
         """"" while round ``m`` goes on; None (rejoin) when another node restarted or
-        joined; 1 when another node gave up (after saying so)."""
+        joined; 1 when another node gave up (after saying so, unless ``say`` is false:
+        the message is then in ``self.other_abort``)."""
         if self._store(lambda r: r.current_round(), m.round) == m.round:
             return ""
         message = self._store(lambda r: r.aborted(m.round), None)
         if message is not None:
             self._store(lambda r: r.saw_abort(m.round), 0)
-            _say(f"another node gave up: {message}")
+            self.other_abort = message
+            if say:
+                _say(f"another node gave up: {message}")
             return 1
         self.attempt += 1
         return None
 
     def _check_round(self, m: Membership) -> int | None | str:
+        if not self.hosting:  # the store's host waits at the end for the launchers still there
+            self._store(lambda r: r.beat(m.round, m.group_rank), None)
         outcome = self._round_changed(m)
         if outcome != "":
             self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
@@ -588,7 +607,7 @@ class Agent:
             message = f"a launcher on {socket.gethostname()} got {signal_name(sig)}"
 
             def tell() -> None:
-                self._store(lambda r: r.abort(r.current_round(), message), None)
+                self._store(lambda r: self._abort(r, r.current_round(), message), None)
 
         self._stop_workers(sig, self.cfg.shutdown_timeout, tell)
         if tell is not None:
@@ -622,18 +641,29 @@ class Agent:
         if code < 0:  # killed: it said nothing; the others may say what they saw of it
             self._await_exits([x for x in self.workers if x.returncode is None], NOTICE_GRACE)
         self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
+        # Did w fail on its own (killed by a signal, an error of its own, or one that blames a
+        # rank of this node)?  Then it may well be what made another node give up first (that
+        # node's ranks notice a death within milliseconds, while we gave ours NOTICE_GRACE):
+        # report it, as well as what the other node said.
+        own = code < 0 or self._blames_this_node(w, noticed)
+        other = None
         if self.cfg.nnodes[1] > 1:  # did another node fail first (and take ours down)?
-            outcome = self._round_changed(m)
-            if outcome != "":
+            outcome = self._round_changed(m, say=not own)
+            if outcome == 1 and own:
+                other = self.other_abort
+            elif outcome != "":
                 return outcome
-        if self.restarts < self.cfg.max_restarts:
+        if other is None and self.restarts < self.cfg.max_restarts:
             self.restarts += 1
             self.attempt += 1
             _say(f"restarting the workers (restart {self.restarts} of {self.cfg.max_restarts})")
             self._store(lambda r: r.next_round(m.round), None)
             return None
         tail = w.stderr.tail_text()
-        report = [f"{what}; no restarts left (--max-restarts {self.cfg.max_restarts})"]
+        if other is not None:
+            report = [f"{what}; another node gave up too (its failure may follow from this one): {other}"]
+        else:
+            report = [f"{what}; no restarts left (--max-restarts {self.cfg.max_restarts})"]
         first = self._first_error(w, noticed)
         if first is not None:  # w failed because of another rank's error: show that one
             x, record = first
@@ -651,10 +681,19 @@ class Agent:
             report.append(f"last lines of rank {w.spec.rank}'s stderr:")
             report.extend(f"  {line}" for line in tail)
         _say("\n".join(report))
-        if self.cfg.nnodes[1] > 1:
-            self._store(lambda r: r.abort(m.round, f"{what} on {socket.gethostname()}"), None)
+        if self.cfg.nnodes[1] > 1 and other is None:
+            self._store(lambda r: self._abort(r, m.round, f"{what} on {socket.gethostname()}"), None)
             self._linger_for_abort(m)
         return 1
+
+    def _abort(self, r: NodeRendezvous, rnd: int, message: str) -> None:
+        """Give up round ``rnd`` saying ``message``.  A launcher that gives up needs nothing
+        more from the store: it counts itself among those that read an abort, so the store's
+        host does not wait for it in :meth:`_linger_for_abort` when both gave up at once
+        (a signal to every node, as Slurm's scancel sends; two failures at the same time)."""
+        r.abort(rnd, message)
+        if not self.hosting:
+            r.saw_abort(rnd)
 
     def _linger_for_abort(self, m: Membership) -> None:
         """When this launcher hosts the store: wait (at most :data:`ABORT_LINGER`) until every
@@ -682,11 +721,28 @@ class Agent:
             time.sleep(self.cfg.monitor_interval)
         if not self.hosting:
             return 0
-        # The store's host stays until every node is done (their workers may still use it).
+        # The store's host stays until every node is done (their workers may still use it),
+        # but not for a node whose launcher stopped beating (killed, its machine lost: with
+        # --on-worker-failure continue the others may have finished without it).
         deadline = Deadline(EXIT_BARRIER_TIMEOUT)
+        seen: dict[int, tuple[int, float]] = {}  # node -> (last beat count, when it changed)
         while not deadline.expired() and self.signum is None and not self.store_lost:
-            if self._store(lambda r: r.all_done(m.round, m.nnodes), False):
+            waiting = self._store(lambda r: r.not_done(m.round, m.nnodes), None)
+            if waiting == []:
                 return 0
+            if waiting:
+                now = time.monotonic()
+                counts = self._store(lambda r, w=waiting: r.beats(m.round, w), None) or []
+                for node, count in zip(waiting, counts, strict=False):  # ([] if the store said nothing)
+                    if seen.get(node, (None,))[0] != count:
+                        seen[node] = (count, now)
+                silent = [n for n in waiting if n in seen and now - seen[n][1] > LAUNCHER_SILENT]
+                if silent and len(silent) == len(waiting):
+                    names = ", ".join(f"{n} ({m.hosts[n]})" if n < len(m.hosts) else str(n) for n in silent)
+                    _say(f"node{'s' if len(silent) > 1 else ''} {names} did not report for "
+                         f"{LAUNCHER_SILENT:g} s (launcher gone?) and did not say its workers "
+                         f"succeeded; not waiting for {'them' if len(silent) > 1 else 'it'} any longer")
+                    return 1
             outcome = self._round_changed(m)
             if outcome != "":
                 return outcome or 0

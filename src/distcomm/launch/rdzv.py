@@ -129,6 +129,18 @@ class NodeRendezvous:
         retries it after a store call that got no answer, which may have arrived)."""
         self.store.set(self._k(rnd, f"done/{node}"), "1")
 
+    def beat(self, rnd: int, node: int) -> None:
+        """Say that node ``node``'s launcher is still there in round ``rnd``."""
+        self.store.add(self._k(rnd, f"alive/{node}"), 1)
+
+    def beats(self, rnd: int, nodes: list[int]) -> list[int]:
+        """How often each of ``nodes`` said so (a count that stops growing: a launcher gone)."""
+        return [self.store.add(self._k(rnd, f"alive/{node}"), 0) for node in nodes]
+
+    def not_done(self, rnd: int, nnodes: int) -> list[int]:
+        """The nodes of round ``rnd`` that did not report success yet."""
+        return [n for n in range(nnodes) if not self.store.check([self._k(rnd, f"done/{n}")])]
+
     def all_done(self, rnd: int, nnodes: int) -> bool:
         """Whether every one of the ``nnodes`` nodes of round ``rnd`` succeeded."""
         return self.store.check([self._k(rnd, f"done/{node}") for node in range(nnodes)])
