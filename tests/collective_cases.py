@@ -1532,6 +1532,16 @@ def run_groups(rank: int, world_size: int, backend: str, port: int) -> Report:
         _check(rep, mine is not None and dist.get_process_group_ranks(mine) == block,
                f"split_group: this rank's group is {mine!r}")
         _group_collectives(rep, mine, block, "split_group")
+        # split_group of a subgroup: split_ranks are the parent's group ranks (as torch's)
+        if ws >= 3:
+            parent = dist.new_group(world[1:])
+            if rank >= 1:
+                mine = dist.split_group(parent, split_ranks=[[0], list(range(1, ws - 1))])
+                block = [1] if rank == 1 else world[2:]
+                _check(rep, mine is not None and dist.get_process_group_ranks(mine) == block,
+                       f"split_group of group {world[1:]} by its group ranks: this rank's group is "
+                       f"{None if mine is None else dist.get_process_group_ranks(mine)}, expected {block}")
+                _group_collectives(rep, mine, block, "split_group of a subgroup")
         # use_local_synchronization: only the members call new_group.
         if rank < half:
             lg = dist.new_group(world[:half], use_local_synchronization=True)
@@ -1668,7 +1678,7 @@ def bad_calls(rank: int, ws: int, g_self: Any) -> list[tuple[str, Callable[[], A
         ("new_subgroups_by_enumeration overlap", lambda: dist.new_subgroups_by_enumeration([[0], [0]]),
          DistInputError, "more than one"),
         ("split_group rank outside parent", lambda: dist.split_group(split_ranks=[[ws]]), DistInputError,
-         "not in the parent"),
+         "not a rank of the parent group"),
         ("get_global_rank out of range", lambda: dist.get_global_rank(None, ws), DistInputError, "not in"),
         ("get_group_rank of a non-member", lambda: dist.get_group_rank(g_self, other), DistInputError,
          "not a member"),

@@ -426,3 +426,18 @@ def test_queries_on_non_member_before_any_such_group_say_so():
             assert "not a member of the group" in one_line(info.value)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_torch_group_passed_to_distcomm_says_what_it_is():
+    """A port that kept a torch.distributed group (torch's new_group, init_device_mesh) by
+    mistake is told what it passed and what to pass instead."""
+    from distcomm.api import _group
+
+    foreign = type("ProcessGroup", (), {"__module__": "torch._C._distributed_c10d"})()
+    with pytest.raises(dist.DistTypeError) as e:
+        _group(foreign)
+    assert str(e.value).startswith("group must be a distcomm ProcessGroup or None, got "
+                                   "torch._C._distributed_c10d.ProcessGroup, a torch.distributed group: "
+                                   "pass a group made by distcomm"), e.value
+    with pytest.raises(dist.DistTypeError, match=r"got str$"):
+        _group("world")

@@ -201,6 +201,9 @@ def scatter_ranks(rank, n, port):
         scatter_object_list(out, [f"to {r}" for r in range(n)] if rank == n - 1 else ["junk"],
                             group_src=n - 1)
         assert out == [f"to {rank}", "keep"]
+        out = [None]  # a tuple of inputs, as torch takes
+        scatter_object_list(out, tuple(f"t{r}" for r in range(n)) if rank == 0 else None, src=0)
+        assert out == [f"t{rank}"]
         return True
     finally:
         distcomm.destroy_process_group()
@@ -240,6 +243,12 @@ def p2p_ranks(rank, n, port):
                 distcomm.send(np.array([1, 2, 3], np.int64), dst=0)  # tag 0: no clash
             send_object_list([f"hello from {rank}", _obj(rank)], dst=0)
         distcomm.barrier()
+        if n > 1:  # a tuple to send, as torch takes
+            if rank == 1:
+                send_object_list(("a", 1), dst=0)
+            elif rank == 0:
+                got = [None, None]
+                assert recv_object_list(got, src=1) == 1 and got == ["a", 1]
         return sorted(senders)
     finally:
         distcomm.destroy_process_group()

@@ -27,7 +27,6 @@ from .debug import hooks as _debug
 from .errors import (
     DistBackendError,
     DistDesyncError,
-    DistError,
     DistInputError,
     DistNetworkError,
     DistNotInitializedError,
@@ -35,6 +34,7 @@ from .errors import (
 )
 from .group import ProcessGroup
 from .launch import error_record as _error_record
+from .setup_watch import InitWatch, setup_failure, tell_failure
 from .store import PrefixStore, Store, auth
 from .store.exchange import forget_when_passed
 from .store.rendezvous import rendezvous
@@ -265,11 +265,16 @@ def init_process_group(
         if owns_store:
             world.owned_store = store
             world.resources.append(store)
+        watch = InitWatch(prefixed, rank, world_size)  # a member that fails or dies is named at once
         try:
-            pg = factory.world(prefixed, rank, world_size, seconds, world=world)
-        except BaseException:
+            pg = factory.world(WatchedStore(prefixed, watch.check), rank, world_size, seconds, world=world)
+        except BaseException as e:
+            if e not in watch.told:  # the first rank to fail tells the others, which stop waiting
+                tell_failure(prefixed, rank, f"{type(e).__name__}: {e}")
             _close_all(world.resources)
             raise
+        finally:
+            watch.done = True  # (the group keeps the store: later waits are not set-up's)
         pg.group_name = group_name or f"{world.tag}:default"
         pg.backend_name = label
         world.default = pg
@@ -371,8 +376,18 @@ def _group(group: ProcessGroup | None) -> ProcessGroup:
                 "this rank is not a member of the group (new_group returned "
                 "GroupMember.NON_GROUP_MEMBER here); pass a group this rank belongs to"
             )
-        raise DistTypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+        raise DistTypeError(f"group must be a distcomm ProcessGroup or None, got {_foreign_group(group)}")
     return group
+
+
+def _foreign_group(group: Any) -> str:
+    """How to name a ``group`` argument that is not a distcomm group, with a hint for torch's."""
+    t = type(group)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    if t.__module__.startswith("torch"):
+        return (f"{name}, a torch.distributed group: pass a group made by distcomm (distcomm.new_group, "
+                "distcomm.init_device_mesh, ...), or keep torch.distributed and use backend 'distcomm' (docs/torch.md)")
+    return name
 
 
 def _members(group: ProcessGroup | _NonMember | None) -> tuple[list[int], str]:
@@ -531,9 +546,9 @@ def new_group(
     def check() -> None:  # a member that failed or died makes the set-up fail now, naming it
         try:
             default.check_members(members, f"making group {name!r}")
-            failed = _setup_failure(base, name)
+            failed = setup_failure(base, name)
         except DistBackendError as died:  # (it may have exited after saying why it failed)
-            failed = _setup_failure(base, name) or died
+            failed = setup_failure(base, name) or died
         if failed is not None:
             told.append(failed)
             raise failed
@@ -544,9 +559,7 @@ def new_group(
                               name, seconds)
     except Exception as e:
         if e not in told:  # the first member to fail tells the others, which stop waiting for it
-            with contextlib.suppress(Exception):
-                if not base.check([_SETUP_FAILED]):
-                    base.set(_SETUP_FAILED, f"{world.rank}|{type(e).__name__}: {e}")
+            tell_failure(base, world.rank, f"{type(e).__name__}: {e}")
         raise
     pg.group_name = name
     pg.backend_name = backend_label(backend, world.backend)
@@ -557,8 +570,6 @@ def new_group(
     return pg
 
 
-#: Key (under a new group's prefix) where the first member whose set-up failed says why.
-_SETUP_FAILED = "setup_failed"
 #: Key (under a new group's prefix) with the first member's rank and the group's members.
 _MEMBERS = "members"
 
@@ -583,17 +594,6 @@ def _same_members(store: Store, name: str, rank: int, members: list[int], world_
         )
     with contextlib.suppress(DistNetworkError):  # (as above: removing the key is a courtesy)
         forget_when_passed(store, world_size, _MEMBERS, [_MEMBERS])
-
-
-def _setup_failure(store: Store, name: str) -> DistBackendError | None:
-    """The error of a member whose part of making group ``name`` failed, if one said so."""
-    try:
-        if not store.check([_SETUP_FAILED]):
-            return None
-        who, why = store.get(_SETUP_FAILED).decode(errors="replace").split("|", 1)
-    except (DistError, ValueError):
-        return None  # the store is gone too, or the key is not ours
-    return DistBackendError(f"making group {name!r} failed on rank {who}: {why}", peer=int(who))
 
 
 def _check_ranks(ranks: Any, world_size: int, sort: bool = True) -> list[int]:
@@ -677,8 +677,11 @@ def split_group(
     group_desc: str | None = None,
     backend: str | None = None,
 ) -> ProcessGroup | None:
-    """Split ``parent_pg`` into disjoint groups of *global* ranks; return this rank's (or None).
-    ``backend``, as torch's, keeps a backend of the parent's: here only the parent's own."""
+    """Split ``parent_pg`` into disjoint groups; return this rank's (or None).
+
+    As in torch, ``split_ranks`` holds ranks *of the parent group* (for the default
+    group these are the global ranks).  ``backend``, as torch's, keeps a backend of the
+    parent's: here only the parent's own."""
     parent = _group(parent_pg)
     if backend is not None and resolve_backend(backend, backend)[0] != resolve_backend(
             parent.backend_name, parent.backend_name)[0]:
@@ -688,13 +691,20 @@ def split_group(
         )
     if not split_ranks:
         raise DistInputError("split_ranks must be a non-empty list of lists of ranks")
-    for ranks in split_ranks:
-        for r in ranks:
-            if r not in parent.ranks:
-                raise DistInputError(f"rank {r} in split_ranks is not in the parent group {parent.ranks}")
+    n = len(parent.ranks)
+    splits: list[list[int]] = []
+    for group_ranks in split_ranks:
+        for r in group_ranks:
+            r = as_integer(r)
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
+                raise DistInputError(
+                    f"rank {r!r} in split_ranks is not a rank of the parent group (split_ranks holds "
+                    f"the parent's group ranks, 0 .. {n - 1}; its global ranks are {parent.ranks})"
+                )
+        splits.append([parent.ranks[as_integer(r)] for r in group_ranks])  # as global ranks
     seen: set[int] = set()
     mine = None
-    for ranks in split_ranks:  # only the parent's members call this: names are local
+    for ranks in splits:  # only the parent's members call this: names are local
         if seen.intersection(ranks):
             raise DistInputError(f"rank {min(seen.intersection(ranks))} is in more than one split")
         seen.update(ranks)

@@ -541,6 +541,8 @@ def scatter_object_list(scatter_object_output_list: list[Any],
     header = np.zeros(1, _INT64)  # the widest pickle, or -(len(error) + 1)
     mine: _Contribution | None = None
     pickles: list[bytes] = []
+    if pg.rank() == root and isinstance(scatter_object_input_list, tuple):
+        scatter_object_input_list = list(scatter_object_input_list)  # torch takes a tuple too
     if pg.rank() == root:
         def dumps() -> bytes:
             pickles.extend(_dumps(o, f"scatter_object_input_list[{i}]")
@@ -602,6 +604,8 @@ def send_object_list(object_list: list[Any], dst: int | None = None,
     peer = _root(pg, dst, group_dst, "dst", required=True)
     if peer == pg.rank():
         raise DistInputError(f"dst={pg.ranks[peer]} is this rank; a rank cannot send objects to itself")
+    if isinstance(object_list, tuple):
+        object_list = list(object_list)  # torch sends a tuple too (only the receiver's list is written)
     mine = _contribute(
         lambda: _list_error(object_list, "object_list"),
         lambda: _pack([_dumps(o, f"object_list[{i}]") for i, o in enumerate(object_list)]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["alive"]
+__all__ = ["alive", "exited"]
 
 
 def alive(pid: int) -> bool:
@@ -16,3 +16,15 @@ def alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie, not yet reaped, has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: as alive() says
+        return not alive(pid)
+    return state in (b"Z", b"X")

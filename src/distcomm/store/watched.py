@@ -19,7 +19,7 @@ from ..errors import DistStoreTimeoutError
 from .base import Store, timeout_error
 from .prefix import PrefixStore
 
-__all__ = ["WatchedStore"]
+__all__ = ["WatchedStore", "watch_of"]
 
 #: Seconds a watched wait runs before it checks again.
 CHECK_EVERY = 0.25
@@ -58,3 +58,14 @@ class WatchedStore(PrefixStore):
         twin = WatchedStore(self._store.clone(), self._watch)
         twin._owns_store = True
         return twin
+
+
+def watch_of(store: Store) -> Callable[[], None] | None:
+    """The check of the :class:`WatchedStore` ``store`` is (or wraps, through prefixes), if
+    any: for set-up waits that are not store waits (peers connecting)."""
+    at: Store | None = store
+    while at is not None:
+        if isinstance(at, WatchedStore):
+            return at._watch
+        at = getattr(at, "underlying_store", None)
+    return None

@@ -50,6 +50,7 @@ from ..deadline import Deadline
 from ..errors import DistBackendError, DistError, DistInputError, DistNetworkError
 from ..store import auth
 from ..store.base import Store
+from ..store.watched import CHECK_EVERY, watch_of
 from . import tcp_wire as w
 from .base import Channel, Request, collective_tag, is_eager, orphaned_error, receive_view
 from .matching import (
@@ -666,12 +667,19 @@ class TcpTransport:
         return p, False
 
     def _await_up(self, p: _Peer, deadline: Deadline) -> None:
+        watch = watch_of(self._store)  # (set-up: a member that failed or died ends the wait)
+        begun = time.monotonic()
+        checked = begun
         while p.state not in ("up", "dead"):
             if deadline.expired():
                 raise DistNetworkError(
                     f"rank {p.rank} did not connect within {deadline.seconds:g} s", peer=p.rank
                 )
-            time.sleep(0.001)
+            now = time.monotonic()
+            if watch is not None and now - checked >= CHECK_EVERY:
+                watch()
+                checked = now
+            time.sleep(0.001 if now - begun < 0.1 else 0.01)
         if p.state == "dead" and not p.left:  # a peer that connected and left is no error here
             raise p.error  # type: ignore[misc]
 
