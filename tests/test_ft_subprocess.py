@@ -99,3 +99,40 @@ def test_subprocess_group_collectives_and_a_hung_child():
     assert r1["stopped_child_reaped"]
     assert r0["alone"] == r1["alone"] == [1.0] * 3
     assert r0["shutdown_reaped"] and r1["shutdown_reaped"]
+
+
+#: A trainer whose group is configured from a thread that then ends; it reports its child's
+#: pid and whether a barrier still works, then waits to be killed.
+THREAD_TRAINER = """
+import sys, threading, time
+import distcomm as dist
+from distcomm.ft import SubprocessProcessGroup
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+pg = SubprocessProcessGroup("tcp", timeout=10)
+t = threading.Thread(target=pg.configure, args=(f"127.0.0.1:{store.port}/t", 0, 1))
+t.start()
+t.join()
+time.sleep(0.5)  # (a child killed with the thread would be gone by now)
+pg.barrier().wait()
+print(pg.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_child_outlives_the_configuring_thread_but_not_the_trainer():
+    import subprocess
+    import sys
+
+    with subprocess.Popen([sys.executable, "-c", THREAD_TRAINER], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as trainer:
+        line = trainer.stdout.readline()
+        assert line.strip().isdigit(), trainer.stderr.read() if trainer.poll() is not None else line
+        child = int(line)
+        assert not _gone(child)
+        trainer.kill()  # SIGKILL: no shutdown; the child must notice by itself
+        trainer.wait(10)
+    end = time.monotonic() + 20
+    while not _gone(child) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _gone(child), "the child outlived its trainer"

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 
-__all__ = ["alive", "exited"]
+__all__ = ["alive", "exited", "owned_tempdir"]
 
 
 def alive(pid: int) -> bool:
@@ -28,3 +31,20 @@ def exited(pid: int) -> bool:
     except (OSError, IndexError):  # no /proc: as alive() says
         return not alive(pid)
     return state in (b"Z", b"X")
+
+
+def owned_tempdir(prefix: str, dir: str | None = None) -> str:
+    """A new temporary directory ``<prefix><pid>-<random>`` (in ``dir``, default the temporary
+    directory) for this process; the directories of that prefix whose process is gone (killed
+    with SIGKILL: nothing removed them) are removed first."""
+    base = dir or tempfile.gettempdir()
+    owner = re.compile(re.escape(prefix) + r"(\d+)-")
+    try:
+        names = os.listdir(base)
+    except OSError:
+        names = []
+    for name in names:
+        m = owner.match(name)
+        if m is not None and not alive(int(m[1])):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)

@@ -40,6 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         importlib.import_module(module).add_arguments(p)
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    # SIGTERM/SIGHUP end the run like Ctrl-C does: the benchmarks' finally blocks stop their
+    # helpers and remove their directories (/dev/shm/distcomm-bench-mpi-*, /tmp/distcomm-bench-*)
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; return its exit code."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, _exit_on_signal)
     return int(importlib.import_module(args._bench_module).run(args) or 0)

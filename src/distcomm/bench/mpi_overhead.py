@@ -36,11 +36,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 from ..backends.mpi import MODES
+from ..pids import owned_tempdir
 from ._args import add_json_option, emit, positive
 from ._coll_mpi import find_mpirun, mpi_missing
 from ._coll_report import size_text, time_text
@@ -227,7 +227,7 @@ def _shm_dir(fallback: str) -> str:
     (where Open MPI puts them by default) if it can, else ``fallback``."""
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         try:
-            return tempfile.mkdtemp(prefix="distcomm-bench-mpi-", dir="/dev/shm")
+            return owned_tempdir("distcomm-bench-mpi-", dir="/dev/shm")  # (a killed run's: removed)
         except OSError:
             pass
     return fallback
@@ -251,7 +251,8 @@ def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seco
     config = {"sizes": list(sizes), "repeat": repeat, "block_seconds": block_seconds}
     load_start = list(os.getloadavg())
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="distcomm-bench-mpi-") as tmp:
+    tmp = owned_tempdir("distcomm-bench-mpi-")  # (a killed run's is removed by the next)
+    try:
         out, log_path = os.path.join(tmp, "out.json"), os.path.join(tmp, "mpirun.log")
         shm = _shm_dir(tmp)
         mark = secrets.token_hex(8)
@@ -282,6 +283,8 @@ def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seco
             raise RuntimeError(f"mpirun -n {nproc} {what}; {said}")
         with open(out) as f:
             results = json.load(f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     results.update(nproc=nproc, mode=mode, repeat=repeat, elapsed_s=time.monotonic() - t0,
                    loadavg_start=load_start, loadavg_end=list(os.getloadavg()))
     return results

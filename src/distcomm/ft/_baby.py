@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import sys
+import threading
 
 import numpy as np
 
@@ -24,7 +26,29 @@ def _views(obj, buf):
     return obj
 
 
-def main(fd: int) -> int:
+def _watch_parent(parent: int) -> None:
+    """Exit when the trainer process ``parent`` ends (not PR_SET_PDEATHSIG: Linux sends that
+    when the *thread* that started this child ends, which would kill the child of a group
+    configured from a short-lived thread while the trainer goes on)."""
+    try:
+        pidfd = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # gone already (or no pidfds: watched by the socket only)
+        pidfd = None
+    if os.getppid() != parent:  # it ended before this child could watch it
+        os._exit(1)
+    if pidfd is None:
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=wait, name="distcomm-ft-baby-parent", daemon=True).start()
+
+
+def main(fd: int, parent: int | None = None) -> int:
+    if parent is not None:
+        _watch_parent(parent)
     sock = socket.socket(fileno=fd)
     pg: ReconfigurableProcessGroup | None = None
     mapping = None
@@ -72,4 +96,4 @@ def main(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -14,7 +14,7 @@ trainer (whose error quotes the child's own, naming the rank it waited for, if
 that comes within :data:`CHILD_SAYS_WITHIN` more), and :meth:`abort` (also
 called on that timeout) kills the child with SIGKILL and reaps it: the trainer never blocks inside a collective it cannot
 interrupt.  ``shutdown`` asks the child to leave, then kills and reaps it.
-The child dies with its parent (Linux's parent-death signal).
+The child exits when its parent does (it watches the parent's pidfd).
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ class SubprocessProcessGroup(ProcessGroup):
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "distcomm.ft._baby", str(child_sock.fileno())],
-                pass_fds=(child_sock.fileno(),), preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", "distcomm.ft._baby", str(child_sock.fileno()), str(os.getpid())],
+                pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)  # (it watches this process)
         finally:
             child_sock.close()
         self._sock = parent_sock
@@ -320,15 +320,6 @@ class SubprocessProcessGroup(ProcessGroup):
         if self._child_arena_size != self._arena.size:
             send_frame(self._sock, ("arena", self._arena.size), fds=[self._arena.fd])
             self._child_arena_size = self._arena.size
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
 
 
 forward_collectives(SubprocessProcessGroup, "in the child process.")

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
 from ..errors import DistError
-from ..pids import alive
+from ..pids import owned_tempdir
 
 ENV_VAR = "DISTCOMM_ERROR_FILE"
 
@@ -89,20 +86,8 @@ def _from_torch(entry: dict, written: float) -> dict | None:
     return {"time": written, "type": kind, "message": lines[0][:500] if lines else "", "peer": None}
 
 
-_DIR = re.compile(r"distcomm-errors-(\d+)-")
-
-
 def make_dir() -> str:
     """A directory for one launcher's error records, named for its pid; those of launchers
     that are gone (killed with SIGKILL: nothing removed theirs) are removed first."""
-    base = tempfile.gettempdir()
-    try:
-        names = os.listdir(base)
-    except OSError:
-        names = []
-    for name in names:
-        m = _DIR.match(name)
-        if m is not None and not alive(int(m[1])):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"distcomm-errors-{os.getpid()}-")
+    return owned_tempdir("distcomm-errors-")
 

@@ -38,7 +38,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -48,6 +47,7 @@ from typing import Any
 
 from ..deadline import Deadline, Timeout, to_seconds
 from ..errors import DistError, DistInputError, DistTimeoutError, DistTypeError
+from ..pids import owned_tempdir
 
 __all__ = ["run_ranks", "RankFailedError", "free_port", "start_forkserver"]
 
@@ -496,7 +496,7 @@ def run_ranks(
             ) from exc
 
     deadline = Deadline(seconds)
-    tmpdir = tempfile.mkdtemp(prefix="distcomm-ranks-")
+    tmpdir = owned_tempdir("distcomm-ranks-")  # (a killed caller's is removed by the next)
     ranks: list[_Rank] = []
     readers = []
     procs = []
