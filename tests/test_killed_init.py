@@ -82,3 +82,29 @@ def test_a_rank_failing_in_init_is_named_by_the_others(backend, world_size, how)
         else:  # (seen itself, or as another rank saw it)
             assert ("rank 1 died (its process exited) while this rank was initialising" in r["error"]
                     or "making group 'default' failed on rank 1: its process exited" in r["error"]), r
+
+
+def _init_with_another_backend(rank: int, world_size: int, port: int) -> dict:
+    try:
+        init(rank, world_size, "tcp" if rank == VICTIM else "shm", port)
+    except dist.DistError as e:
+        return {"type": type(e).__name__, "error": str(e), "peer": getattr(e, "peer", None)}
+    dist.destroy_process_group()
+    return {"type": None}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_that_pass_different_backends_are_told_at_once(world_size):
+    """(Each would wait for keys the other backend never sets, until the timeout.)"""
+    server = StoreServer("127.0.0.1", 0)
+    try:
+        results = run_ranks(_init_with_another_backend, world_size, server.port, timeout=80)
+    finally:
+        server.close()
+    for rank, r in enumerate(results):
+        assert r["type"] == "DistDesyncError", r
+        if rank != VICTIM:
+            assert r["peer"] == VICTIM, r
+            assert (f"init_process_group: rank 1 uses backend 'tcp' where this rank (rank {rank}) uses "
+                    "'shm': every rank must pass the same backend") in r["error"], r

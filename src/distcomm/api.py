@@ -265,7 +265,7 @@ def init_process_group(
         if owns_store:
             world.owned_store = store
             world.resources.append(store)
-        watch = InitWatch(prefixed, rank, world_size)  # a member that fails or dies is named at once
+        watch = InitWatch(prefixed, rank, world_size, name)  # a member that fails or dies is named at once
         try:
             pg = factory.world(WatchedStore(prefixed, watch.check), rank, world_size, seconds, world=world)
         except BaseException as e:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .errors import DistBackendError, DistError
+from .errors import DistBackendError, DistDesyncError, DistError
 from .pids import exited
 from .store.base import Store
 
@@ -52,32 +52,45 @@ def tell_failure(store: Store, rank: int, why: str) -> None:
 
 class InitWatch:
     """The check of the default group's set-up (``init_process_group``): raises the failure
-    a member published, or names a member on this machine whose process exited.
+    a member published, names a member that makes the group with another backend, or a
+    member on this machine whose process exited.
 
     ``told`` keeps what it raised: errors about other members, not this rank's to publish.
     Once ``done`` is set (the group is made) it checks nothing."""
 
-    def __init__(self, store: Store, rank: int, size: int) -> None:
+    def __init__(self, store: Store, rank: int, size: int, backend: str = "") -> None:
         from .transport.shm_segment import host_key
 
-        self.store, self.rank, self.size = store, rank, size
+        self.store, self.rank, self.size, self.backend = store, rank, size, backend
         self.host = host_key()
         self.pids: dict[int, int] = {}  # rank -> pid on this machine (0: on another)
+        self.backends: dict[int, str] = {}  # rank -> the backend it makes the group with
         self.told: list[BaseException] = []
         self.done = False
         with contextlib.suppress(DistError):
-            store.set(f"{_PID_KEY}{rank}", f"{self.host}|{os.getpid()}")
+            store.set(f"{_PID_KEY}{rank}", f"{self.host}|{os.getpid()}|{backend}")
 
     def check(self) -> None:
         if self.done:
             return
-        failed = setup_failure(self.store, "default") or self._dead_peer()
+        failed = setup_failure(self.store, "default") or self._other_backend() or self._dead_peer()
         if failed is not None:
             self.told.append(failed)
             raise failed
 
-    def _dead_peer(self) -> DistBackendError | None:
+    def _other_backend(self) -> DistDesyncError | None:
+        """A rank that makes the default group with another backend (they would wait for
+        each other's keys until the timeout)."""
         self._learn_pids()
+        for r, theirs in sorted(self.backends.items()):
+            if theirs != self.backend:
+                return DistDesyncError(
+                    f"init_process_group: rank {r} uses backend {theirs!r} where this rank (rank "
+                    f"{self.rank}) uses {self.backend!r}: every rank must pass the same backend",
+                    peer=r)
+        return None
+
+    def _dead_peer(self) -> DistBackendError | None:
         for r, pid in self.pids.items():
             if pid and exited(pid):
                 said = setup_failure(self.store, "default")  # (it may have said why before it exited)
@@ -103,5 +116,6 @@ class InitWatch:
         except DistError:
             return
         for r, value in zip(found, values, strict=True):
-            host, _, pid = value.decode(errors="replace").rpartition("|")
+            host, pid, backend = (value.decode(errors="replace").rsplit("|", 2) + ["", ""])[:3]
             self.pids[r] = int(pid) if host == self.host and pid.isdigit() else 0
+            self.backends[r] = backend
