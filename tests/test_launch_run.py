@@ -328,17 +328,27 @@ def test_a_signal_to_the_launcher_leaves_no_worker(tmp_path, sig):
     assert_gone(pids)
 
 
+def test_a_one_node_endpoint_on_port_0_picks_a_free_port(tmp_path):
+    """What torchrun's --standalone expands to: --rdzv-endpoint localhost:0 with one node."""
+    prog = write(tmp_path, "env.py", ENV_PROG)
+    out = launch(["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                  "--nproc-per-node", "2", prog], tmp_path)
+    assert out.returncode == 0, out.stderr
+    info = env_lines(out.stdout)
+    assert sorted(info) == [0, 1] and info[0]["sum"] == 2.0 and int(info[0]["MASTER_PORT"]) > 0
+
+
 def test_a_stopped_worker_gets_the_launchers_signal_at_once(tmp_path):
     """SIGTERM to the launcher while a worker is stopped (SIGSTOP, a debugger): the worker is
     continued, so it ends by that signal, not by SIGKILL after --shutdown-timeout."""
-    prog = write(tmp_path, "wait.py", WAIT_PROG.replace("time.sleep(60)", """
-import signal
+    handler = """
+import os, signal, sys
 def bye(*_):
-    open(os.path.join(d, "term" + os.environ["RANK"]), "w").close()
+    open(os.path.join(sys.argv[1], "term" + os.environ["RANK"]), "w").close()
     sys.exit(0)
-signal.signal(signal.SIGTERM, bye)
-time.sleep(60)
-"""))
+signal.signal(signal.SIGTERM, bye)  # (before the pid file says the worker is up)
+"""
+    prog = write(tmp_path, "wait.py", handler + WAIT_PROG)
     with subprocess.Popen([*RUN, "--nproc-per-node", "2", "--shutdown-timeout", "300", prog, str(tmp_path)],
                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
         pids = wait_pids(tmp_path, 2)

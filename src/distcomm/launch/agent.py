@@ -25,6 +25,7 @@ gave up, or wants to join.
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -70,8 +71,8 @@ EXIT_BARRIER_TIMEOUT = 300.0
 ABORT_LINGER = 10.0
 
 #: Seconds without a beat from a node's launcher after which the store's host, its own
-#: workers done, stops waiting for that node to report.
-LAUNCHER_SILENT = 15.0
+#: workers done, stops waiting for that node to report; a launcher beats this often (s).
+LAUNCHER_SILENT, BEAT_EVERY = 15.0, 1.0
 #: Most seconds the others get to notice, by themselves, a worker killed by a signal
 #: before they are stopped: their errors name it and their flight recorders dump.
 NOTICE_GRACE = 0.5
@@ -131,6 +132,7 @@ class Agent:
         self.raise_on_signal = True
         self.store_lost = False
         self.other_abort: str | None = None  # what another node said when it gave up
+        self.beaten = 0.0  # when this launcher last said it is there (non-host: see _check_round)
         self.store_silent_since: float | None = None  # when store calls began to get no answer
         self.hosting = False  # this launcher runs the job's store server
         self.sel = selectors.DefaultSelector()
@@ -292,7 +294,19 @@ class Agent:
             return
         round_key = f"{rdzv_namespace(self.cfg.rdzv_id)}round".encode()
         torch_ns = f"{rdzv_namespace(self.cfg.rdzv_id)}torch/round".encode()
-        server.torch_keys = lambda: torch_ns + (server.peek(round_key) or b"0")
+        # A torch client says nothing of its job: with several jobs on this store (--rdzv-id
+        # differing, one --rdzv-endpoint) it could be any job's, and would share this one's keys.
+        rounds = re.compile(re.escape(rdzv_namespace("").encode()[:-1]) + rb"[^/]+/round")  # rdzv/ID/round
+
+        def torch_keys() -> bytes | str:
+            jobs = sorted(k.decode("utf-8", "replace").split("/")[1] for k in server.keys_like(rounds))
+            if len(jobs) > 1:
+                return ("a torch.distributed TCPStore client, on a store that serves several jobs "
+                        f"(--rdzv-id {', '.join(jobs)}): a torch client cannot say which job it is "
+                        "of; give each job running torch.distributed programs its own --rdzv-endpoint")
+            return torch_ns + (server.peek(round_key) or b"0")
+
+        server.torch_keys = torch_keys
 
     # -- workers -------------------------------------------------------------
     def _worker_env(self, m: Membership, local_rank: int) -> dict[str, str]:
@@ -345,10 +359,17 @@ class Agent:
         cause) came first, before ``noticed`` (when ``w``'s exit was seen: what the workers
         raised once stopped does not count), with its record, if that is not ``w``."""
         own = []
+        mine = self._error_path(w.spec.rank)
+        cutoff = noticed
+        if mine is None or error_record.read(mine) is None:
+            # w said nothing (killed, os._exit, a crash): the others' errors of the last moments
+            # before we noticed its exit are most likely what they saw of it (its connections
+            # closed before its parent heard of it; torch's @record names no peer).
+            cutoff -= NOTICE_GRACE
         for x in self.workers:
             path = self._error_path(x.spec.rank)
             record = error_record.read(path) if path is not None else None
-            if record is not None and record.get("peer") is None and record["time"] <= noticed:
+            if record is not None and record.get("peer") is None and record["time"] <= cutoff:
                 own.append((record["time"], x.spec.rank, x, record))
         if not own:
             return None
@@ -588,7 +609,9 @@ class Agent:
         return None
 
     def _check_round(self, m: Membership) -> int | None | str:
-        if not self.hosting:  # the store's host waits at the end for the launchers still there
+        now = time.monotonic()
+        if not self.hosting and now - self.beaten >= BEAT_EVERY:  # (the store's host waits at
+            self.beaten = now  # the end for the launchers still there: see _succeeded)
             self._store(lambda r: r.beat(m.round, m.group_rank), None)
         outcome = self._round_changed(m)
         if outcome != "":

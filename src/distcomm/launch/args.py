@@ -154,7 +154,7 @@ def _nnodes(text: str) -> tuple[int, int]:
     return pair
 
 
-def _endpoint(text: str, default_port: int | None) -> tuple[str, int]:
+def _endpoint(text: str, default_port: int | None, free_port: bool = False) -> tuple[str, int]:
     """``HOST[:PORT]`` of ``--rdzv-endpoint`` (an IPv6 address in brackets: ``[::1]:PORT``),
     checked and resolvable; without a port, ``default_port`` (torchrun's 29400 for c10d), or
     an error if None."""
@@ -189,7 +189,7 @@ def _endpoint(text: str, default_port: int | None) -> tuple[str, int]:
             port = int(port_text or "")
         except ValueError:
             raise UsageError(f"{what}: expected {need}") from None
-        if not 1 <= port <= 65535:
+        if not 1 <= port <= 65535 and not (free_port and port == 0):
             why = " (the other launchers must know it)" if port == 0 else ""
             raise UsageError(f"{what}: expected a port in 1..65535, got {port}{why}")
     _resolve(host, "--rdzv-endpoint host")
@@ -386,7 +386,11 @@ def to_config(args: argparse.Namespace) -> RunConfig:
             raise UsageError(f"--standalone runs one node; got --nnodes {args.nnodes}")
         host, port, host_store, node_rank = "127.0.0.1", args.master_port or 0, "yes", 0
     elif args.rdzv_endpoint and args.rdzv_backend != "static":
-        host, port = _endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT)
+        # (port 0 on one node: a free port, as torchrun's --standalone, which this is)
+        host, port = _endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT, free_port=nnodes == (1, 1))
+        if port == 0 and not _is_local(host):
+            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: port 0 (a free port) needs a host "
+                             "of this machine")
         if args.node_rank is not None:
             notes.append(f"--node-rank {args.node_rank} is ignored with --rdzv-endpoint (nodes are "
                          "ranked as they join); --rdzv-backend static keeps the node ranks given")

@@ -33,6 +33,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import select
 import selectors
 import socket
@@ -132,8 +133,9 @@ class StoreServer:
         self.stats = {"accepted": 0, "dropped": 0, "refused_auth": 0}
         #: None: torch.distributed's TCPStore clients are turned away (the default).  Else a
         #: function returning the prefix under which a torch client that connects now keeps its
-        #: keys; it runs in the server's thread and may read keys with :meth:`peek`.
-        self.torch_keys: Callable[[], bytes] | None = None
+        #: keys (or a ``str``: why the client is turned away); it runs in the server's thread
+        #: and may read keys with :meth:`peek` and :meth:`keys_like`.
+        self.torch_keys: Callable[[], bytes | str] | None = None
         raise_fd_limit()
         if listen_fd is not None:
             self._listener = socket.socket(fileno=listen_fd)
@@ -186,6 +188,10 @@ class StoreServer:
     def peek(self, key: bytes) -> bytes | None:
         """The value of ``key`` (for :attr:`torch_keys`, in the server's thread)."""
         return self._data.get(key)
+
+    def keys_like(self, pattern: re.Pattern[bytes]) -> list[bytes]:
+        """The keys that ``pattern`` matches in full (for :attr:`torch_keys`, in the server's thread)."""
+        return [k for k in self._data if pattern.fullmatch(k)]
 
     @property
     def num_connections(self) -> int:
@@ -397,7 +403,11 @@ class StoreServer:
         if self.torch_keys is not None and tw.HELLO.startswith(bytes(buf[:5])):
             if len(buf) < len(tw.HELLO):
                 return 0
-            conn.torch_ns = self.torch_keys()
+            ns = self.torch_keys()
+            if isinstance(ns, str):
+                self._drop(conn, ns)
+                return 0
+            conn.torch_ns = ns
             conn.ready = True
             return len(tw.HELLO)
         size = p.HANDSHAKE.size

@@ -495,8 +495,8 @@ def run_ranks(
                 f"{getattr(fn, '__qualname__', fn)!r}: {type(exc).__name__}: {exc}"
             ) from exc
 
-    deadline = Deadline(seconds)
     tmpdir = owned_tempdir("distcomm-ranks-")  # (a killed caller's is removed by the next)
+    deadline = Deadline(seconds)
     ranks: list[_Rank] = []
     readers = []
     procs = []
