@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -40,13 +39,11 @@ def _script(c) -> list:
     out += [c.get("k"), c.get("appended"), c.multi_get(["k", "new", "appended"])]
     c.multi_set(["a", "b"], [b"1", b""])
     out += [c.multi_get(["a", "b"]), c.get("b"), c.num_keys()]
-    begin = time.monotonic()
     try:
         c.wait(["never"], timedelta(milliseconds=300))
         out.append("no timeout")
     except Exception as e:  # noqa: BLE001 - torch's DistStoreError
         out.append(type(e).__name__)
-    out.append(time.monotonic() - begin < 5)
     out.append(c.get("k"))  # the client goes on after its wait timed out
     other = _client(c.port)
     threading.Timer(0.2, lambda: other.set("late", b"here")).start()
