@@ -73,7 +73,10 @@ class InitWatch:
     def check(self) -> None:
         if self.done:
             return
-        failed = setup_failure(self.store, "default") or self._other_backend() or self._dead_peer()
+        failed = setup_failure(self.store, "default")
+        if failed is None:
+            self._learn_pids()
+            failed = self._other_backend() or self._dead_peer()
         if failed is not None:
             self.told.append(failed)
             raise failed
@@ -81,7 +84,6 @@ class InitWatch:
     def _other_backend(self) -> DistDesyncError | None:
         """A rank that makes the default group with another backend (they would wait for
         each other's keys until the timeout)."""
-        self._learn_pids()
         for r, theirs in sorted(self.backends.items()):
             if theirs != self.backend:
                 return DistDesyncError(
