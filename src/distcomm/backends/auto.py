@@ -72,16 +72,17 @@ class _Hierarchical:
         coded = self.full.start_call(seq, code, root, mark)
         return lambda: self.full.channel.begin_call(coded)
 
-    def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
+    def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline,
+                  name: str = "all_reduce") -> None:
         after = self._told(seq, _CODES["all_reduce"], mark=mark_of(combine))
-        self.local.reduce(arr, combine, 0, seq, deadline)
+        self.local.reduce(arr, combine, 0, seq, deadline, name=name)  # (errors name the user's call)
         if self.leaders is not None:
             self.leaders.allreduce(arr, combine, seq, deadline)
         self.local.broadcast(arr, 0, seq, deadline)
         after()
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        self.allreduce(arr, combine, seq, deadline)
+        self.allreduce(arr, combine, seq, deadline, name="reduce")
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
         after = self._told(seq, _CODES["broadcast"], root)

@@ -675,15 +675,17 @@ class ShmCollectives:
         self.direct_calls += 1
         return True
 
-    def reduce(self, arr: np.ndarray, combine: Combine, root: int, seq: int, deadline: Deadline) -> None:
-        """Reduce into ``arr`` at ``root``; other ranks' ``arr`` is only read."""
+    def reduce(self, arr: np.ndarray, combine: Combine, root: int, seq: int, deadline: Deadline,
+               name: str = "reduce") -> None:
+        """Reduce into ``arr`` at ``root``; other ranks' ``arr`` is only read.  ``name``: the
+        collective the ranks' headers (and so their errors) name, when this is part of another."""
         arr = _flat(arr)
         if self.size == 1 or arr.size == 0:
             return
         views = self._views(arr.dtype)
         per = len(views[0][0])
         me = self.rank
-        code = _reducing(_CODES["reduce"], combine)
+        code = _reducing(_CODES[name], combine)
         for lo in range(0, arr.size, per):
             chunk = arr[lo : lo + per]
             m = chunk.size

@@ -385,6 +385,16 @@ class Matcher:
                 del self.posts[key]
             req.complete(_clash_error(peer, tag, req.tag, req.members))
 
+    def call_clash(self, peer: int, group: int, tag: int) -> DistBackendError | None:
+        """The error if ``peer``, which waits in collective call ``tag`` of ``group`` (a CALL
+        frame), waits in the call this rank is in now but of another collective, root or
+        algorithm: the ranks' calls differ, whether or not this rank waits on ``peer`` here
+        (it may wait in another group: ``auto`` runs a call's parts in the machine's group)."""
+        now = self.calls.get((group, tag & CALL_SPACE_MASK))
+        if now is None or against(tag, now) != CLASHING or self.checked.get(group) == tag & CALL_MASK:
+            return None
+        return _clash_error(peer, tag, now, self.members.get(group, {}))
+
     def cut_with(self, peer: int, group: int, tag: int) -> None:
         """Fail the receive posted for ``peer``'s unmatched message under the same step with
         another :data:`~.base.EAGER_STEP` or :data:`~.base.LAST_STEP` bit: the two ranks cut

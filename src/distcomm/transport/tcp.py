@@ -1135,6 +1135,10 @@ class TcpTransport:
             elif kind == w.CALL:
                 with self._mu:
                     self._matcher.clash_with(p.rank, group, tag)
+                    clash = None if group in self._aborted else self._matcher.call_clash(p.rank, group, tag)
+                    members = self._matcher.members.get(group, {})
+                if clash is not None:  # the peer waits for what this rank's call never sends
+                    self.abort_group(group, members, clash)
             elif kind == w.ABORT:
                 if nbytes > 65536:
                     raise DistNetworkError(f"rank {p.rank} sent an oversized ABORT frame")

@@ -40,7 +40,8 @@ not yet granted, fail; what the sender sent before still arrives first
 (``tag`` and ``nbytes`` are unused; a LEAVE for a group the receiver has no
 channel on is ignored).  CALL says the sender has waited a while for a
 collective message from the receiver with ``tag`` (``nbytes`` unused): a
-receiver waiting in that call of another collective fails it (the ranks'
+receiver in that call of another collective (waiting on the sender or not)
+aborts the group, so the sender's wait fails with that ABORT (the ranks'
 calls differ, and neither would ever send what the other waits for).  PAD is
 filler (``nbytes`` bytes that the receiver drops; ``group`` and ``tag`` are 0) put
 before the DATA frame of a large payload, see :func:`data_head`.  A frame of an unknown kind, or an oversized ABORT, ends the
