@@ -22,7 +22,7 @@ one machine look like several).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from ..transport.base import COLLECTIVE_CODES as _CODES
 from ..transport.shm_segment import host_key
 from .channel_group import ChannelAlgorithms, ChannelProcessGroup
 from .shm import ShmProcessGroup
+from .shm_collectives import ShmCollectives
 from .tcp import TcpProcessGroup, check_connections, eager_connect, open_transport
 
 __all__ = ["AutoBackend", "HierarchicalProcessGroup", "machine_of"]
@@ -52,7 +53,7 @@ class _Hierarchical:
 
     def __init__(self, local: ShmProcessGroup, leaders: ChannelAlgorithms | None, full: ChannelAlgorithms,
                  machine: list[int], local_rank: list[int], leader_of: list[int]) -> None:
-        self.local = local.algorithms  # ShmCollectives
+        self.local = cast(ShmCollectives, local.algorithms)
         self.leaders = leaders
         self.full = full
         self.machine = machine  # group rank -> machine index (= the leaders' group rank)
