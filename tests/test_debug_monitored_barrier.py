@@ -90,7 +90,7 @@ def run_late_root(rank: int, world_size: int, backend: str, port: int) -> dict |
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", "auto:2machines"])
 def test_a_late_rank_0_does_not_blame_the_ranks_that_arrived(backend):
     results = run_world(run_late_root, 3, backend, timeout=45)
     e = results[0]
