@@ -65,6 +65,8 @@ def test_stuck_rank_and_order_mismatch_are_explained(backend, tmp_path):
     dump1 = json.loads((stuck_dir / "rank1.json").read_text())
     assert dump1["reason"] == "SIGUSR1" and dump1["pid"] == results[1]["pid"]
     dump0 = json.loads((stuck_dir / "rank0.json").read_text())
+    instances = {json.loads((stuck_dir / f"rank{r}.json").read_text())["instance"] for r in range(3)}
+    assert len(instances) == 1 and None not in instances, instances  # one initialisation's id
     failed = [e for e in dump0["entries"] if e["state"] == "failed"]
     assert failed and failed[0]["op"] == "all_reduce" and failed[0]["seq"] == 4
     assert failed[0]["shape"] == [6] and failed[0]["dtype"] == "float32" and failed[0]["reduce_op"] == "SUM"

@@ -157,6 +157,22 @@ def test_logging_is_quiet_by_default_and_names_the_rank(monkeypatch, capsys, res
     assert pkg.level == logging.NOTSET
 
 
+def test_a_log_level_that_is_none_is_reported_once_and_ignored(monkeypatch, caplog):
+    monkeypatch.setenv("DISTCOMM_LOG_LEVEL", "loud")
+    try:
+        with caplog.at_level(logging.WARNING, logger="distcomm"):
+            log.configure()
+            log.configure()
+        said = [r.getMessage() for r in caplog.records if "DISTCOMM_LOG_LEVEL" in r.getMessage()]
+        assert len(said) == 1 and said[0].endswith(
+            "DISTCOMM_LOG_LEVEL='loud' is not a log level (expected DEBUG, INFO, WARNING, ERROR or a number): "
+            "ignored"), said
+        assert logging.getLogger("distcomm").level == logging.NOTSET
+    finally:
+        monkeypatch.delenv("DISTCOMM_LOG_LEVEL")
+        log.configure()
+
+
 def test_records_reach_the_application_handlers_once(caplog, capsys):
     logger = log.get_logger("distcomm.test")
     with caplog.at_level(logging.WARNING, logger="distcomm"):

@@ -540,3 +540,32 @@ def test_distcomm_groups_under_a_gloo_default_group():
     assert not [p for _, problems in results for p in problems]
     mine = tuple(f"distcomm-{pid}-" for pid, _ in results)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(mine)], "files left in /dev/shm"
+
+
+def _debugging_rank(rank: int, ws: int, port: int) -> dict:
+    import signal
+
+    _init("distcomm", rank, ws, port)
+    try:
+        out = {"usr1_handled": signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None), "error": None}
+        try:
+            tdist.all_reduce(torch.ones(10 if rank == 0 else 20))  # shapes differ
+        except Exception as e:  # noqa: BLE001 - what torch passes on
+            out["error"] = f"{type(e).__name__}: {e}"
+        signal.raise_signal(signal.SIGUSR1)  # the flight recorder's dump, as `kill -USR1` makes it
+        return out
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_debugging_tools_follow_a_torch_default_group(tmp_path):
+    """DISTCOMM_DEBUG=DETAIL, the flight recorder and its SIGUSR1 handler work under backend distcomm
+    as under distcomm.init_process_group."""
+    env = {"DISTCOMM_DEBUG": "DETAIL", "DISTCOMM_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    results = run_ranks(_debugging_rank, WORLD, free_port(), timeout=90, env=env)
+    for r in results:
+        assert r["usr1_handled"], results
+        assert r["error"] and "DistDesyncError" in r["error"] and "shape" in r["error"], results
+    dumps = sorted(tmp_path.rglob("rank*.json"))
+    assert [p.name for p in dumps] == ["rank0.json", "rank1.json"], dumps
+    assert all("all_reduce" in p.read_text() for p in dumps)

@@ -176,6 +176,19 @@ def test_dumps_of_an_earlier_round_of_the_run_are_left_out(tmp_path, capsys):
     assert "warning: left out rank1.json: it is from an earlier round of the run (round 0, written " in out, out
 
 
+def test_dumps_of_an_earlier_job_with_the_same_run_id_are_left_out(tmp_path, capsys):
+    # `distcomm run --rdzv-id r` twice: the same run id and round, another initialisation
+    _write(tmp_path, "rank0.json", _dump(0, [_entry(1), _entry(2, state="started")], run_id="r", round=0,
+                                         instance="second", time=2000.0))
+    _write(tmp_path, "rank1.json", _dump(1, [_entry(1, op="broadcast", state="failed")], run_id="r", round=0,
+                                         instance="first"))
+    rc, out, err = _run(capsys, tmp_path)
+    assert rc == 0, err
+    assert "dumps from rank 0; missing: rank 1" in out, out
+    assert "broadcast" not in out, out
+    assert "warning: left out rank1.json: it is from an earlier job with the same run id r (written " in out, out
+
+
 def test_a_stray_file_with_a_rank_outside_the_world_is_skipped(tmp_path, capsys):
     # a 2-rank run's dumps, and a file that only names a rank
     _good(tmp_path)

@@ -143,6 +143,15 @@ def _one_run(found: list[tuple[str, dict[str, Any]]], errors: list[str]) -> dict
         errors.append(f"left out {name}: it is from an earlier round of the run (round {d['round']}, written "
                       f"{_clock(d)}; the newest dumps are of round {rnd}: a restart or a change of nodes)")
     found = [f for f in found if f not in found_old]
+    # the same run id and round, but another initialisation (a job run again under the same
+    # --rdzv-id, or torchrun's): the ranks are other processes
+    inst = next((d["instance"] for _, d in found if d.get("run_id") in (None, run) and d.get("instance")), None)
+    found_other = [(n, d) for n, d in found
+                   if d.get("run_id") in (None, run) and d.get("instance") not in (None, inst)]
+    for name, d in found_other:
+        errors.append(f"left out {name}: it is from an earlier job with the same run id {run} (written "
+                      f"{_clock(d)}; --rdzv-id reused? each run's dumps belong in a directory of their own)")
+    found = [f for f in found if f not in found_other]
     # the world size of the run: the one most of its dumps give (of those, the newest dump's)
     sizes = Counter(d["world_size"] for _, d in found if d.get("run_id") in (None, run))
     world = sizes.most_common(1)[0][0] if sizes else None
@@ -190,7 +199,7 @@ _STACKS: _Check = (lambda x: isinstance(x, dict) and all(isinstance(v, str) for 
 
 # field -> check, for the fields the analysis reads; a field may be missing or null unless required
 _DUMP: dict[str, _Check] = {
-    "time": _TIME, "run_id": _STR, "round": _SEQ, "reason": _STR, "recorder_size": _SIZE, "package_dir": _STR,
+    "time": _TIME, "run_id": _STR, "instance": _STR, "round": _SEQ, "reason": _STR, "recorder_size": _SIZE, "package_dir": _STR,
     "entries": _LIST, "groups": _LIST, "stacks": _STACKS,
 }
 _ENTRY: dict[str, _Check] = {

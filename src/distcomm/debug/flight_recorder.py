@@ -42,7 +42,7 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 log = get_logger("distcomm.debug")
 
-_state: dict[str, Any] = {"rank": None, "world_size": None, "run_id": None, "shrinks": 0}
+_state: dict[str, Any] = {"rank": None, "world_size": None, "run_id": None, "instance": None, "shrinks": 0}
 _groups: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 _handler_installed = False
@@ -72,9 +72,14 @@ def run_id_from_env() -> str | None:
     return os.environ.get("DISTCOMM_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
 
 
-def set_world(rank: int | None, world_size: int | None, run_id: str | None) -> None:
-    """This process's place in the job (set at initialisation, cleared at destroy)."""
-    _state.update(rank=rank, world_size=world_size, run_id=run_id, shrinks=0)
+def set_world(rank: int | None, world_size: int | None, run_id: str | None,
+              instance: str | None = None) -> None:
+    """This process's place in the job (set at initialisation, cleared at destroy).
+
+    ``instance`` tells this initialisation from an earlier one of the same run id: a job
+    restarted under the same ``--rdzv-id`` (or torchrun's) has the same run id, and writes
+    its dumps into the same default directory."""
+    _state.update(rank=rank, world_size=world_size, run_id=run_id, instance=instance, shrinks=0)
 
 
 def move(rank: int, world_size: int, shrinks: int) -> None:
@@ -159,6 +164,7 @@ def snapshot(reason: str) -> dict[str, Any]:
         "rank": _state["rank"],
         "world_size": _state["world_size"],
         "run_id": _state["run_id"],
+        "instance": _state["instance"],
         "round": _round(),
         "pid": os.getpid(),
         "host": socket.gethostname(),

@@ -19,6 +19,7 @@ __all__ = ["before_init", "new_run_id", "world_started", "world_shrunk", "group_
 
 _log = log.get_logger("distcomm.group")
 _RUN_ID_KEY = "debug/run_id"
+_INSTANCE_KEY = "debug/instance"
 
 
 def before_init() -> None:
@@ -46,7 +47,15 @@ def world_started(store: Any, pg: Any, rank: int, size: int, timeout: float, sec
         except Exception as e:  # noqa: BLE001 - debugging aids never stop a job
             _log.warning("no shared run id for flight recorder dumps (%s); using this pid", e)
             run_id = None
-    flight_recorder.set_world(rank, size, run_id)
+    instance = None
+    try:  # this initialisation's own id, whatever the run id: dumps of an earlier one are told apart
+        if rank == 0:
+            store.set(_INSTANCE_KEY, new_run_id())
+        store.wait([_INSTANCE_KEY], min(timeout, 60.0))
+        instance = store.get(_INSTANCE_KEY).decode()
+    except Exception:  # noqa: BLE001 - debugging aids never stop a job
+        instance = None
+    flight_recorder.set_world(rank, size, run_id, instance)
     flight_recorder.install_signal_handler()
     group_created(pg, seconds)
 

@@ -84,6 +84,9 @@ def get_logger(name: str) -> logging.Logger:
     return logger
 
 
+_said_bad: set[str] = set()  # values of DISTCOMM_LOG_LEVEL already reported as ignored
+
+
 def _level_from_env() -> int | None:
     raw = os.environ.get(ENV_LEVEL, "").strip().upper()
     if raw:
@@ -93,6 +96,11 @@ def _level_from_env() -> int | None:
         try:
             return int(raw)
         except ValueError:
+            if raw not in _said_bad:
+                _said_bad.add(raw)
+                logging.getLogger(PACKAGE).warning(
+                    "%s=%r is not a log level (expected DEBUG, INFO, WARNING, ERROR or a number): ignored",
+                    ENV_LEVEL, os.environ.get(ENV_LEVEL))
             return None
     return None
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import torch.distributed as tdist
 
 from ..backend_registry import resolve_backend
+from ..debug import hooks as _debug
 from ..group import ProcessGroup
 from ._group import BACKEND_NAME, SUPPORTED_DEVICES, DistcommProcessGroup
 from ._store import TorchStore
@@ -38,10 +40,11 @@ __all__ = ["BACKEND_NAME", "DistcommProcessGroup", "TorchStore", "register"]
 class _World:
     """A distcomm world made for a torch group: its group and the resources it owns."""
 
-    def __init__(self, backend: str, pg: ProcessGroup, resources: list[Any]) -> None:
+    def __init__(self, backend: str, pg: ProcessGroup, resources: list[Any], default: bool = False) -> None:
         self.backend = backend
         self.pg = pg
         self.resources = resources
+        self.default = default  # torch's default group: the process's debugging state follows it
 
 
 #: The world behind torch's default group when that group is on distcomm: distcomm groups
@@ -60,6 +63,10 @@ def _close_world(world: _World) -> None:
     with _lock:
         if _world is world:
             _world = None
+    if world.default:
+        _debug.world_ended()
+    else:
+        _debug.group_destroyed(world.pg)
     for r in world.resources[::-1]:
         try:
             r.close()
@@ -74,9 +81,17 @@ class _Holder:
         self.resources: list[Any] = []
 
 
-def _new_world(store: TorchStore, rank: int, size: int, timeout: float, name: str) -> _World:
-    """A distcomm world of this torch group's ranks alone, over the group's own store."""
+def _new_world(store: TorchStore, rank: int, size: int, timeout: float, name: str,
+               default: bool = False) -> _World:
+    """A distcomm world of this torch group's ranks alone, over the group's own store.
+
+    As ``distcomm.init_process_group`` does, the debugging tools follow the group:
+    ``DISTCOMM_DEBUG`` (the DETAIL check), ``DISTCOMM_LOG_LEVEL``, the flight recorder
+    (dumps on failure, the SIGUSR1 handler) and the INFO record of its creation."""
     backend, factory = resolve_backend(os.environ.get("DISTCOMM_TORCH_BACKEND") or None, "auto")
+    if default:
+        _debug.before_init()
+    started = time.monotonic()
     holder = _Holder()
     try:
         pg = factory.world(store, rank, size, timeout, world=holder)
@@ -85,7 +100,11 @@ def _new_world(store: TorchStore, rank: int, size: int, timeout: float, name: st
             r.close()
         raise
     pg.group_name = name
-    return _World(backend, pg, holder.resources)
+    if default:
+        _debug.world_started(store, pg, rank, size, timeout, time.monotonic() - started)
+    else:
+        _debug.group_created(pg, time.monotonic() - started)
+    return _World(backend, pg, holder.resources, default)
 
 
 def _create(opts: Any, backend_options: Any = None) -> DistcommProcessGroup:
@@ -104,7 +123,7 @@ def _create(opts: Any, backend_options: Any = None) -> DistcommProcessGroup:
     with _lock:
         world = _world
     if world is None or not ranks:
-        new = _new_world(store, rank, size, timeout, name)
+        new = _new_world(store, rank, size, timeout, name, default=not ranks)
         if not ranks:  # the default group
             with _lock:
                 _world = new
@@ -112,9 +131,11 @@ def _create(opts: Any, backend_options: Any = None) -> DistcommProcessGroup:
             new.pg.ranks = ranks
         return DistcommProcessGroup(new.pg, on_shutdown=lambda: _close_world(new))
     _, factory = resolve_backend(world.backend, "auto")
+    started = time.monotonic()
     pg = factory.subgroup(world.pg, store, ranks, rank, name, timeout)
     pg.group_name = name
     pg.ranks = ranks
+    _debug.group_created(pg, time.monotonic() - started)
     return DistcommProcessGroup(pg)
 
 
