@@ -27,6 +27,7 @@ from .debug import hooks as _debug
 from .errors import (
     DistBackendError,
     DistDesyncError,
+    DistError,
     DistInputError,
     DistNetworkError,
     DistNotInitializedError,
@@ -282,6 +283,12 @@ def init_process_group(
         GroupMember.WORLD = pg
         _world = world
         _debug.world_started(prefixed, pg, rank, world_size, seconds, time.monotonic() - started)
+        # The set-up's keys (each rank's setup_pid, rank 0's debug/run_id) are read only while
+        # the world is made: the last rank past here deletes them, so that init/destroy cycles
+        # (restarts, elastic rounds, a long-lived store passed in) do not grow the store.
+        with contextlib.suppress(DistError):
+            forget_when_passed(prefixed, world_size, "setup",
+                               [f"setup_pid/{r}" for r in range(world_size)] + ["debug/run_id", "debug/instance"])
 
 
 def _check_rank_size(rank: Any, world_size: Any, required: bool = False) -> None:

@@ -18,7 +18,7 @@ from ..errors import DistBackendError, DistError
 from ..store import Store
 from ..store.exchange import forget_when_passed
 from ..store.tcp_client import TCPStore
-from ..transport.tcp import TcpTransport
+from ..transport.tcp import ADDRESS_PREFETCH_MAX, TcpTransport
 from ..transport.tcp_connect import address_keys
 from .channel_group import ChannelProcessGroup
 
@@ -85,6 +85,13 @@ def open_transport(store: Store, rank: int, size: int, timeout: float, world: An
     transport = TcpTransport(rank, size, store, token, timeout, _master_host(store))
     if world is not None:
         world.resources.append(transport)
+    if size <= ADDRESS_PREFETCH_MAX:  # every rank learnt every address: the keys' work is done
+        try:
+            forget_when_passed(store, size, "tcp", [_TOKEN_KEY, *address_keys(size)])
+        except BaseException:
+            if world is None:
+                transport.close()
+            raise
     return transport
 
 
@@ -128,10 +135,11 @@ class _OwnTcpGroup(TcpProcessGroup):
         finally:
             self.transport.close()
             size = self.transport.size
-            try:  # the last member to close removes the transports' keys from the store
-                forget_when_passed(self._store, size, "tcp", [_TOKEN_KEY, *address_keys(size)])
-            except DistError:
-                pass  # the store went with its host (rank 0 left first): nothing to clean up
+            if size > ADDRESS_PREFETCH_MAX:  # (else gone since set-up: see open_transport)
+                try:  # the last member to close removes the transports' keys from the store
+                    forget_when_passed(self._store, size, "tcp", [_TOKEN_KEY, *address_keys(size)])
+                except DistError:
+                    pass  # the store went with its host (rank 0 left first): nothing to clean up
 
 
 Backend.register_backend("tcp", TcpBackend())

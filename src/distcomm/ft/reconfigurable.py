@@ -20,6 +20,7 @@ the group fails it stays failed (``errored()``) until the next
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,10 +29,11 @@ import numpy as np
 
 from ..backend_registry import resolve_backend
 from ..deadline import Timeout, to_seconds
-from ..errors import DistBackendError, DistInputError, DistTypeError
+from ..errors import DistBackendError, DistError, DistInputError, DistTypeError
 from ..group import ProcessGroup
 from ..reduce_op import ReduceOp
 from ..store import PrefixStore
+from ..store.exchange import forget_when_passed
 from .store import AbortableStore, create_store_client
 
 __all__ = ["ReconfigurableProcessGroup", "COLLECTIVES", "forward_collectives"]
@@ -137,6 +139,13 @@ class ReconfigurableProcessGroup(ProcessGroup):
                 pg.group_name = f"ft:{gen}"
                 if world_size > 1:
                     _check_generation(pg, gen)
+                # Every rank has joined and read the generation: the last one past here deletes
+                # the set-up keys but rank 0's ``ft/joined/0``, the prefix's tombstone (a reused
+                # prefix is still refused), so that each configuration (each quorum change of a
+                # Manager) leaves one key in the store instead of world_size + 1.
+                with contextlib.suppress(DistError):
+                    forget_when_passed(pending, world_size, "ft/setup",
+                                       ["ft/generation"] + [f"ft/joined/{r}" for r in range(1, world_size)])
             except BaseException:
                 pg.shutdown()
                 raise

@@ -174,6 +174,19 @@ CLOSE_LINGER = 10.0
 CLOSE_EOF_WAIT = 1.0
 
 
+#: LEAVEs kept for one peer this process is not connected to (yet).  Beyond it the oldest
+#: are dropped: a peer still waiting on this rank in a group destroyed that long ago fails at
+#: its timeout instead, as before LEAVE existed.  Without a bound a peer that never connects
+#: (worlds above EAGER_CONNECT_MAX connect on first use) costs an entry per destroyed group.
+MAX_UNSENT_LEAVES = 256
+
+
+def _note_leave(leaves: dict[int, None], group: int) -> None:
+    leaves[group] = None
+    if len(leaves) > MAX_UNSENT_LEAVES:
+        del leaves[next(iter(leaves))]
+
+
 class _Out:
     """A frame waiting to be written: header, optional payload, request to complete."""
 
@@ -229,7 +242,8 @@ class _Peer:
         self.deferred_at = 0.0  # since when the progress thread leaves an unasked-for payload
         self.paused = False
         self.left = False  # it said BYE: it connected, then destroyed its group
-        self.leaves: set[int] = set()  # groups this process left before it connected (LEAVE on attach)
+        #: groups this process left before it connected (LEAVE on attach), oldest first, bounded
+        self.leaves: dict[int, None] = {}
         self.connector: threading.Thread | None = None  # connecting because it probed us
 
 
@@ -276,7 +290,7 @@ class TcpTransport:
         self._left: dict[tuple[int, int], BaseException] = {}
         self._open_groups: dict[int, int] = {}  # group id -> channels open on it (LEAVE for others: ignored)
         #: rank never in touch -> groups this process left (LEAVEs for when it is: see _peer)
-        self._unsent_leaves: dict[int, set[int]] = {}
+        self._unsent_leaves: dict[int, dict[int, None]] = {}
         host = w.publish_address(master_addr)
         bind = host if host.startswith("127.") or host == "localhost" else ""
         self._listener = socket.create_server((bind, 0), backlog=max(128, size))
@@ -549,7 +563,7 @@ class TcpTransport:
                 elif p is None or p.state != "dead":
                     # Not connected (yet): the LEAVE goes once it is.  A lower rank connects
                     # when it needs us; a higher one that waits on us probes, and we connect.
-                    (p.leaves if p is not None else self._unsent_leaves.setdefault(r, set())).add(group)
+                    _note_leave(p.leaves if p is not None else self._unsent_leaves.setdefault(r, {}), group)
         for p in peers:
             self._flush(p)
 
