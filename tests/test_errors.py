@@ -10,6 +10,7 @@ import pytest
 from distcomm import errors
 from distcomm.errors import (
     FACTS,
+    DistAuthenticationError,
     DistBackendError,
     DistConnectTimeoutError,
     DistDesyncError,
@@ -38,6 +39,7 @@ ANCESTRY = {
     DistNetworkError: [DistError, ConnectionError, OSError],
     DistConnectTimeoutError: [DistNetworkError, DistTimeoutError, TimeoutError, ConnectionError],
     DistProtocolError: [DistNetworkError, ConnectionError],
+    DistAuthenticationError: [DistProtocolError, DistNetworkError, ConnectionError],
     DistBackendError: [DistError, RuntimeError],
     DistDesyncError: [DistBackendError, DistError, RuntimeError],
     DistNotInitializedError: [DistBackendError, DistError, RuntimeError, ValueError],

@@ -493,6 +493,33 @@ def test_elastic_membership_grows_from_one_node_to_two(tmp_path):
     assert "membership changed" in results[0][1]
 
 
+def test_two_one_node_jobs_share_an_rdzv_endpoint(tmp_path, monkeypatch):
+    """Jobs with their own --rdzv-id on one endpoint (launcher.md): the second joins the store the
+    first hosts, with no token set by the user, and each job's ranks meet only each other."""
+    monkeypatch.delenv("DISTCOMM_AUTH_TOKEN", raising=False)
+    prog = write(tmp_path, "shared.py", """
+        import os, sys, time
+        import numpy as np
+        import distcomm as dist
+        dist.init_process_group("tcp")
+        a = np.full(1, float(sys.argv[2]))
+        dist.all_reduce(a)
+        open(os.path.join(sys.argv[1], f"{sys.argv[2]}_{dist.get_rank()}_{a[0]:g}"), "w").close()
+        while len(os.listdir(sys.argv[1])) < 4:  # both jobs run at once
+            time.sleep(0.05)
+        dist.destroy_process_group()
+    """)
+    endpoint = f"127.0.0.1:{free_port()}"
+    opts = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    jobs = [subprocess.Popen([*RUN, "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--rdzv-id",
+                              f"job{v}", prog, str(out), str(v)], **opts) for v in (1, 5)]
+    results = [p.communicate(timeout=90) for p in jobs]
+    assert [p.returncode for p in jobs] == [0, 0], results
+    assert sorted(os.listdir(out)) == ["1_0_2", "1_1_2", "5_0_10", "5_1_10"], results
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ it cannot explain.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -62,3 +63,11 @@ def test_info_shows_a_variable_that_changes_behaviour(monkeypatch, name, value):
 def test_info_leaves_out_unrelated_variables(monkeypatch):
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "8")  # Slurm sets dozens; distcomm reads a few
     assert "SLURM_CPUS_ON_NODE" not in info.collect()["env"]
+
+
+def test_info_never_prints_the_auth_token(monkeypatch):
+    """The output is meant for bug reports: the job's secret is said to be set, never shown."""
+    monkeypatch.setenv("DISTCOMM_AUTH_TOKEN", "s3cret-value")
+    data = info.collect()
+    assert data["env"]["DISTCOMM_AUTH_TOKEN"] == "(set, 12 characters; not shown)"
+    assert "s3cret-value" not in info.render(data) + json.dumps(data)

@@ -12,6 +12,7 @@ working for code that does not know distcomm::
     ├── DistNetworkError (ConnectionError)   a socket could not connect, or broke
     │   ├── DistConnectTimeoutError          (+ DistTimeoutError) no connection before the deadline
     │   └── DistProtocolError                the peer spoke garbage or another protocol version
+    │       └── DistAuthenticationError      a peer could not prove it knows the job's token
     ├── DistBackendError                     a process group / collective failed
     │   ├── DistNotInitializedError          (+ ValueError) no default group: init_process_group first
     │   └── DistDesyncError                  ranks called a collective with different arguments (DETAIL)
@@ -37,6 +38,7 @@ __all__ = [
     "DistNetworkError",
     "DistConnectTimeoutError",
     "DistProtocolError",
+    "DistAuthenticationError",
     "DistBackendError",
     "DistDesyncError",
     "DistNotInitializedError",
@@ -116,6 +118,10 @@ class DistConnectTimeoutError(DistNetworkError, DistTimeoutError):
 
 class DistProtocolError(DistNetworkError):
     """The peer is not a distcomm peer, or speaks another protocol version."""
+
+
+class DistAuthenticationError(DistProtocolError):
+    """A peer could not prove it knows the job's token, or could not check ours."""
 
 
 class DistBackendError(DistError):

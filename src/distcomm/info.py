@@ -194,7 +194,7 @@ def collect() -> dict[str, Any]:
         "open_files_soft_limit": soft,
         "open_files_hard_limit": hard,
         "somaxconn": _read("/proc/sys/net/core/somaxconn"),
-        "env": {k: v for k, v in sorted(os.environ.items()) if _relevant(k)},
+        "env": {k: _shown(k, v) for k, v in sorted(os.environ.items()) if _relevant(k)},
     }
 
 
@@ -212,6 +212,14 @@ _ENV_NAMES = frozenset({
     "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NODELIST",
     "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE",
 })
+
+
+def _shown(name: str, value: str) -> str:
+    """``value`` as ``distcomm info`` prints it: a secret (``DISTCOMM_AUTH_TOKEN``) is
+    never printed, since the output is meant to be pasted into bug reports."""
+    if "TOKEN" in name and value:
+        return f"(set, {len(value)} characters; not shown)"
+    return value
 
 
 def _relevant(name: str) -> bool:

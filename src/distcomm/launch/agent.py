@@ -118,10 +118,13 @@ class Agent:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        # A one-node job is protected by a fresh token (unless the user gave one):
-        # the store and every worker connection must prove they know it.
+        # A one-node job that hosts a store of its own is protected by a fresh token (unless
+        # the user gave one): the store and every worker connection must prove they know it.
+        # Not one that may join a store another launcher hosts (--rdzv-endpoint HOST:PORT,
+        # which several jobs may share): a token drawn here could never match that store's.
+        own_store = cfg.host_store == "yes" or cfg.store_port == 0
         self.auth_token = os.environ.get(auth.ENV_VAR) or (
-            auth.new_token() if cfg.nnodes == (1, 1) else None)
+            auth.new_token() if cfg.nnodes == (1, 1) and own_store else None)
         self.store: TCPStore | None = None
         self.rdzv: NodeRendezvous | None = None
         self.workers: list[Worker] = []

@@ -232,7 +232,9 @@ def _conf(text: str) -> dict[str, float]:
         key, sep, value = item.partition("=")
         if not sep or key not in ("join_timeout", "last_call_timeout", "read_timeout",
                                   "close_timeout", "timeout", "is_host"):
-            raise UsageError(f"--rdzv-conf {item!r}: expected join_timeout=S or last_call_timeout=S")
+            raise UsageError(f"--rdzv-conf {item!r}: expected join_timeout=S or last_call_timeout=S "
+                             "(torchrun's read_timeout, close_timeout, timeout and is_host are accepted "
+                             "and ignored)")
         if key in ("join_timeout", "last_call_timeout"):
             try:
                 seconds = float(value)

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..errors import DistProtocolError, DistTypeError
+from ..errors import DistAuthenticationError, DistTypeError
 
 __all__ = [
     "ENV_VAR",
@@ -52,10 +52,6 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 
 TokenLike = str | bytes | None
-
-
-class DistAuthenticationError(DistProtocolError):
-    """A peer could not prove it knows the job's token, or could not check ours."""
 
 
 def new_token() -> str:

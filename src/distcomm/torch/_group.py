@@ -49,10 +49,13 @@ def _check_tensor(t: Any, what: str, reduces: bool) -> Any:
     if not isinstance(t, torch.Tensor):
         raise DistTypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type not in SUPPORTED_DEVICES:
+        # Only CUDA devices have nccl; for the others (meta, mps, xpu, ...) name none.
+        other = f"use a backend for {t.device.type}, such as nccl" if t.device.type == "cuda" \
+            else f"use a backend for {t.device.type}"
         raise DistInputError(
             f"{what} is on device '{t.device}'; backend '{BACKEND_NAME}' supports "
             f"{', '.join(repr(d) for d in SUPPORTED_DEVICES)} tensors only (move it with .cpu(), or "
-            f"use a backend for {t.device.type}, such as nccl)"
+            f"{other})"
         )
     if t.dtype in _NUMPY_DTYPES:
         return t
