@@ -8,6 +8,7 @@ waits for a peer that never comes.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -124,6 +125,10 @@ def run_reconfigure(rank: int, world: int, port: int, backend: str) -> list:
                 problems += [f"config {n} size {size}: {k} gave {got[k]}, expected {v}"
                              for k, v in want.items() if got[k] != v]
             _store_barrier(store, f"phase{n}", world, rank)
+        if rank == 0:  # each configuration left one key, its tombstone, in the store
+            left = sorted(store.server.keys_like(re.compile(rb"cfg/.*", re.S)))
+            if left != [f"cfg/{n}/ft/joined/0".encode() for n in range(3)]:
+                problems.append(f"configurations left these keys in the store: {left}")
         if rank == 0:  # a prefix used before is refused, with the reason
             try:
                 pg.configure(f"127.0.0.1:{port}/cfg/0", 0, 1)

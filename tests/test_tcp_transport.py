@@ -637,3 +637,14 @@ def test_a_released_socket_goes_back_to_the_progress_thread_sooner_when_its_data
     assert TcpTransport._parked_delay(fake, {one, two}) == tcp._PARKED_MIN_WAIT
     with one.rlock, two.rlock:  # both being read
         assert TcpTransport._parked_delay(fake, {one, two}) == tcp.PARKED_RECHECK
+
+
+def test_leaves_kept_for_a_peer_never_connected_are_bounded():
+    """A peer this process never talks to (lazy connections) costs at most MAX_UNSENT_LEAVES
+    remembered LEAVEs, the newest, however many groups are destroyed."""
+    from distcomm.transport import tcp
+
+    leaves: dict[int, None] = {}
+    for group in range(tcp.MAX_UNSENT_LEAVES + 100):
+        tcp._note_leave(leaves, group)
+    assert list(leaves) == list(range(100, tcp.MAX_UNSENT_LEAVES + 100))
