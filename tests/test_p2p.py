@@ -109,3 +109,43 @@ def _numpy_integers_as_ranks(rank: int, world_size: int, backend: str, port: int
 def test_numpy_integers_serve_as_ranks_tags_and_members(backend):
     for bad in run_world(_numpy_integers_as_ranks, 3, backend, timeout=45):
         assert not bad, bad
+
+
+def _isend_left_pending(rank: int, world_size: int, backend: str, port: int, then: str) -> bool:
+    """Rank 0 starts a large isend to rank 1 (16 rings' worth on shm) and, before waiting for
+    it, makes a blocking call: a world barrier (its send in a subgroup of ranks 0 and 1, or in
+    the world), or a receive in another group.  Rank 1 posts its receive late.  Whichever
+    group a rank waits in, its pending sends move (shared memory has no progress thread)."""
+    x = np.arange(1 << 19, dtype=np.float64)  # 4 MiB
+    with process_group(rank, world_size, backend, port, timeout=30):
+        pair = dist.new_group([0, 1])
+        group = pair if then != "barrier in the world" else None
+        if rank == 0:
+            w = dist.isend(x, dst=1, group=group)
+            if then == "recv in the world":
+                dist.recv(np.zeros(1), src=1)
+            else:
+                dist.barrier()
+            w.wait()
+            return True
+        if rank == 1:
+            import time
+
+            time.sleep(0.3)  # busy when the isend starts
+            got = np.zeros_like(x)
+            dist.recv(got, src=0, group=group)
+            if then == "recv in the world":
+                dist.send(np.ones(1), dst=0)
+            else:
+                dist.barrier()
+            return bool((got == x).all())
+        if then != "recv in the world":
+            dist.barrier()
+        return True
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("then", ["barrier in the world", "barrier from a subgroup", "recv in the world"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_isend_not_waited_for_moves_while_the_rank_waits_elsewhere(backend, then):
+    assert all(run_world(_isend_left_pending, 3, backend, then, timeout=60))

@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -544,7 +545,11 @@ class MpiChannel(Channel):
         self.direct_tags = tag_ub // 2
         self._hashed_span = tag_ub - self.direct_tags
         self._mu = threading.Lock()
-        self._unmatched: list[_Recv] = []
+        #: receives not matched yet, by MPI tag, each list in posting order
+        self._unmatched: dict[int, list[_Recv]] = {}
+        #: messages MPI matched (Improbe) before a receive for them was posted, by MPI tag, in
+        #: the order MPI gave them: (sender, message, status)
+        self._held: dict[int, deque[tuple[int, Any, Any]]] = {}
         self._live: list[_MpiRequest] = []
         self._failed: BaseException | None = None
         self._status = rt.MPI.Status()
@@ -586,10 +591,27 @@ class MpiChannel(Channel):
         with self._mu:
             if self._failed is not None:
                 raise self._failed
-            self._unmatched.append(req)
             self._track(req)
+            held = self._held.get(mpi_tag)
+            if held:  # the earliest message MPI gave this rank that this receive takes
+                for i, (sender, msg, status) in enumerate(held):
+                    if src is None or sender == src:
+                        del held[i]
+                        if not held:
+                            del self._held[mpi_tag]
+                        self._give(req, msg, status)
+                        return req
+            self._unmatched.setdefault(mpi_tag, []).append(req)
             self._match_locked()
         return req
+
+    def _give(self, r: _Recv, msg: Any, status: Any) -> None:
+        MPI = self.rt.MPI
+        with self.rt.lock:
+            try:
+                r._match(msg, status)
+            except MPI.Exception as e:
+                r.error = mpi_error("MPI_Imrecv", e, rank=self.rank, peer=r.peer)
 
     def _track(self, req: _MpiRequest) -> None:
         if len(self._live) > 64:
@@ -609,41 +631,38 @@ class MpiChannel(Channel):
             self._progress()
 
     def _match_locked(self) -> None:
-        """Give each unmatched receive, in posting order, the next message MPI has for it.
-
-        A message that arrives while the receives are probed one after the other may be found
-        for a later receive after an earlier one that also matches it found nothing (an
-        any-source receive, then a named one): it goes to the earliest such receive, as MPI's
-        own matching orders it, and the later one probes again."""
+        """Take every message MPI has for this communicator (``MPI_Improbe`` from any rank
+        with any tag, in MPI's order) and give each to the earliest posted receive that takes
+        it, as MPI's own matching would; one no receive takes yet is held for the next
+        ``irecv`` of its tag.  One probe per message, not one per pending receive and pass:
+        thousands of receives in flight stay cheap."""
         if not self._unmatched:
             return
         MPI = self.rt.MPI
         status = self._status
-        still: list[_Recv] = []
-        for r in self._unmatched:
-            src = MPI.ANY_SOURCE if r.peer is None else r.peer
-            while True:
-                msg = self.rt.call(
-                    f"MPI_Improbe for a receive from {self.describe(src) if src >= 0 else 'any rank'}",
-                    self.comm.Improbe, src, r.mpi_tag, status)
-                if msg is None:
-                    still.append(r)
-                    break
-                sender = status.Get_source()
-                first = next((e for e in still if e.mpi_tag == r.mpi_tag and e.peer in (None, sender)), r)
-                with self.rt.lock:
-                    try:
-                        first._match(msg, status)
-                    except MPI.Exception as e:
-                        first.error = mpi_error("MPI_Imrecv", e, rank=self.rank, peer=first.peer)
-                if first is r:
-                    break
-                still.remove(first)
-        self._unmatched = still
+        while True:
+            msg = self.rt.call("MPI_Improbe for a pending receive", self.comm.Improbe,
+                               MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if msg is None:
+                return
+            sender, tag = status.Get_source(), status.Get_tag()
+            waiting = self._unmatched.get(tag)
+            r = None
+            if waiting:
+                for i, e in enumerate(waiting):
+                    if e.peer is None or e.peer == sender:
+                        r = waiting.pop(i)
+                        break
+                if not waiting:
+                    del self._unmatched[tag]
+            if r is None:
+                self._held.setdefault(tag, deque()).append((sender, msg, MPI.Status(status)))
+            else:
+                self._give(r, msg, status)
 
     def _fail_pending(self, cause: BaseException) -> None:
         with self._mu:
-            pending, self._live, self._unmatched = self._live, [], []
+            pending, self._live, self._unmatched = self._live, [], {}
         for r in pending:
             r._fail(cause)
 

@@ -61,6 +61,7 @@ import ctypes
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -72,9 +73,25 @@ from ..errors import DistBackendError, DistInputError, DistTimeoutError
 from ..store.base import Store
 from .base import Channel, Request, byte_view, orphaned_error, receive_view, tag_text
 from .shm_segment import Segment, open_shared
-from .shm_sync import NAP, _PeerWatch, futex_wait, futex_wake, wait_budget
+from .shm_sync import NAP, PROGRESS_NAP, _PeerWatch, futex_wait, futex_wake, wait_budget
 
 __all__ = ["ShmChannel", "ring_bytes_for", "layout_bytes"]
+
+#: Every open channel of this process (see ``progress_receives``).
+_OPEN_CHANNELS: weakref.WeakSet[ShmChannel] = weakref.WeakSet()
+
+
+def _progress_channels(skip: ShmChannel | None) -> bool:
+    """One progress pass over this process's open channels (but ``skip``) that have pending
+    sends or receives; whether there were any.  Shared memory has no progress thread: data
+    moves while some thread of the process waits on distcomm, in whichever group."""
+    busy = False
+    for ch in list(_OPEN_CHANNELS):
+        if ch is not skip and ch._busy():
+            ch._poke()
+            busy = True
+    return busy
+
 
 #: Bytes of each ring (``DISTCOMM_SHM_RING_BYTES``; rank 0's value is used).
 DEFAULT_RING_BYTES = 256 * 1024
@@ -348,6 +365,7 @@ class ShmChannel(Channel):
         # waiting
         self._sleepers = 0
         self._spin_s, self._yield_s = wait_budget(local_ranks or size)
+        _OPEN_CHANNELS.add(self)  # (every wait of the process moves this channel's pending sends)
 
     def __repr__(self) -> str:
         return f"<ShmChannel rank {self.rank} of {self.size}, rings of {self._R} bytes>"
@@ -770,13 +788,15 @@ class ShmChannel(Channel):
 
     # -- waiting --------------------------------------------------------------------------
     def progress_receives(self) -> bool:
-        """Move what peers sent into the receives posted or being filled, if there are any
-        (call it while waiting for anything else: a peer's send may wait for ring space);
-        whether there were."""
-        if not self._posted and not any(self._inc):
-            return False
-        self._poke()
-        return True
+        """Move what peers sent into the receives posted or being filled, and pending sends
+        into the rings, on every channel of this process that has any (call it while waiting
+        for anything else: a peer's send may wait for ring space, and a peer's receive may
+        wait for the rest of a message this rank started with ``isend``, in this group or
+        another, and has not waited for yet); whether there were."""
+        return _progress_channels(None)
+
+    def _busy(self) -> bool:
+        return bool(self._posted or self._sending or any(self._inc))
 
     def _poke(self) -> None:
         """One progress pass if no other thread is making progress (for ``done()``)."""
@@ -849,9 +869,10 @@ class ShmChannel(Channel):
                 q[self._me + _R_ASLEEP] = 1  # type: ignore[index]
             bell = q[self._me + _R_BELL]  # type: ignore[index]
             moved = self._progress()
+        others = _progress_channels(self)  # (a wait here must not stall another group's isend)
         try:
             if not moved and not req._done:
-                seconds = min(NAP, deadline.remaining())
+                seconds = min(PROGRESS_NAP if others else NAP, deadline.remaining())
                 if seconds > 0:
                     futex_wait(self._bell_addr[self.rank], ctypes.c_int32(bell & 0xFFFFFFFF).value, seconds)
         finally:
@@ -1035,6 +1056,7 @@ class ShmChannel(Channel):
         """Fail what is pending (after up to :data:`CLOSE_LINGER` s for sends still
         streaming to live peers), tell peers, unmap the segment.  Idempotent."""
         self._linger()
+        _OPEN_CHANNELS.discard(self)
         with self._lock:
             if self._closed:
                 return
