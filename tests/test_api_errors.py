@@ -394,6 +394,16 @@ def test_unknown_backend_lists_the_available_ones():
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("backend", ["tcp", "shm", "auto"])
+def test_ranks_that_never_arrive_are_named(backend):
+    """Set-up that times out waiting for ranks says which (as getting-started.md promises)."""
+    with pytest.raises(dist.DistTimeoutError) as info:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=3, timeout=1)
+    text = one_line(info.value)
+    assert "waiting for ranks 1, 2 to join (1 of 3 ranks arrived" in text, text
+    assert info.value.peer == 1 and not dist.is_initialized()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "word"),
     [

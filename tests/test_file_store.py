@@ -353,6 +353,31 @@ def test_world_size_exceeded(path):
     assert not os.path.exists(path)
 
 
+def _open_and_die(path: str) -> None:
+    store = FileStore(path, 2)
+    store.set("from the crashed run", "stale")
+    os.kill(os.getpid(), 9)
+
+
+@pytest.mark.timeout(60)
+def test_a_file_left_by_a_killed_user_is_refused_at_once(path):
+    """A run's rank killed with the store open leaves the file with fewer users than world_size:
+    the next run's ranks are told the file is stale (naming the dead process), not given its keys."""
+    p = SPAWN.Process(target=_open_and_die, args=(path,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == -9 and os.path.exists(path)
+    for _ in range(2):  # every opener of the next run, not only the first
+        with pytest.raises(DistInputError) as info:
+            FileStore(path, 2, timeout=5)
+        text = str(info.value)
+        assert f"process {p.pid} on this machine used it and has exited" in text and "delete the file" in text
+        assert "\n" not in text
+    os.unlink(path)
+    with FileStore(path, 2) as store:  # a fresh file works
+        assert store.num_keys() == 0
+
+
 def test_reopen_after_the_file_was_removed(path):
     with FileStore(path) as store:
         store.set("old", "1")

@@ -197,11 +197,32 @@ class Agent:
             if self.error_dir is not None:
                 shutil.rmtree(self.error_dir, ignore_errors=True)
             if self.store is not None:
+                if self.hosting:
+                    self._serve_other_jobs()
                 self.store.close()
             self.sel.close()
             self.wake_r.close()
             self.wake_w.close()
             self._restore_signals(old)
+
+    def _serve_other_jobs(self) -> None:
+        """Keep the store up while launchers of other jobs (another --rdzv-id on the same
+        --rdzv-endpoint) are still connected to it: their workers use it too.  A second
+        signal stops waiting."""
+        assert self.store is not None
+        server = self.store.server
+        if server is None or not server.alive:
+            return
+        ours = rdzv_namespace(self.cfg.rdzv_id).encode()
+        rounds = re.compile(re.escape(rdzv_namespace("").encode()[:-1]) + rb"[^/]+/round")
+        others = sorted(k.decode("utf-8", "replace").split("/")[1]
+                        for k in server.keys_like(rounds) if not k.startswith(ours))
+        if not others or server.num_connections <= 1:  # (1: this launcher's own client)
+            return
+        _say(f"this launcher hosts the store of other jobs too (--rdzv-id {', '.join(others)} used it); "
+             "keeping it up until their launchers disconnect (a second signal stops waiting)")
+        while server.num_connections > 1 and self.signals < 2:
+            time.sleep(0.2)
 
     def _run(self) -> int:
         self._open_store()
@@ -734,6 +755,9 @@ class Agent:
 
     def _succeeded(self, m: Membership) -> int:
         if m.nnodes == 1:
+            # (recorded anyway: a later run with this --rdzv-id, on a store that outlives this
+            # launcher, must see that this one ended rather than wait for room in its round)
+            self._store(lambda r: r.mark_done(m.round, m.group_rank), None)
             return 0
 
         def mark(r: NodeRendezvous) -> bool:
@@ -770,8 +794,14 @@ class Agent:
                          f"succeeded; not waiting for {'them' if len(silent) > 1 else 'it'} any longer")
                     return 1
             outcome = self._round_changed(m)
-            if outcome != "":
-                return outcome or 0
+            if outcome == 1:
+                return 1
+            if outcome is None:
+                # A node joined (or restarted) after ours finished: the nodes still running
+                # stop their workers and rejoin.  Leaving now would take the store away from
+                # them; rejoin too, so the new round can form.
+                _say("the job's membership changed after this node's workers succeeded; rejoining")
+                return None  # type: ignore[return-value]
             time.sleep(self.cfg.monitor_interval)
         return 0 if self.signum is None else 128 + self.signum
 

@@ -141,6 +141,10 @@ class NodeRendezvous:
         """The nodes of round ``rnd`` that did not report success yet."""
         return [n for n in range(nnodes) if not self.store.check([self._k(rnd, f"done/{n}")])]
 
+    def _finishing(self, rnd: int, nnodes: int) -> bool:
+        """Whether a node of round ``rnd`` already reported that its workers succeeded."""
+        return any(self.store.check([self._k(rnd, f"done/{node}")]) for node in range(nnodes))
+
     def all_done(self, rnd: int, nnodes: int) -> bool:
         """Whether every one of the ``nnodes`` nodes of round ``rnd`` succeeded."""
         return self.store.check([self._k(rnd, f"done/{node}") for node in range(nnodes)])
@@ -156,14 +160,24 @@ class NodeRendezvous:
             try:
                 rnd = self.current_round()
                 closed = self._peek(self._k(rnd, "closed"))
+                # (no new round once a node of the running one reported success: the job is
+                # ending, and a new round would stop the workers still running and let the
+                # store's host leave)
+                finishing = closed is not None and self._finishing(rnd, int(closed))
+                # Every node of that round succeeded: a job with this --rdzv-id ran to its end
+                # on this store (which outlived it: another job's launcher hosts it).
+                ended = finishing and self.all_done(rnd, int(closed))
             except DistError as e:
                 if not full:
                     raise
                 raise RendezvousFailed(
                     f"the job ended while this launcher waited for its running round to end "
                     f"({e})") from None
+            if ended:  # start this id's next run rather than wait for room for ever
+                self.next_round(rnd)
+                continue
             if closed is not None:  # running: ask for a new round if there is room
-                full = int(closed) >= self.max
+                full = int(closed) >= self.max or finishing
                 if not full:
                     self.next_round(rnd)
                     continue
@@ -180,9 +194,24 @@ class NodeRendezvous:
             except RendezvousFailed:
                 self._failed_round = rnd
                 self.store.add(self._k(rnd, "failed_seen"), 1)
+                if self.interrupted():
+                    self._withdraw(rnd)
+                raise
+            except BaseException:  # a signal to the launcher (the agent's _Interrupted), Ctrl-C
+                self._withdraw(rnd)
                 raise
             if members is not None:
                 return members
+
+    def _withdraw(self, rnd: int) -> None:
+        """This launcher leaves while in round ``rnd``: move the job to the next round, so
+        the others form it without this node (had ``rnd`` closed with it, their workers
+        restart in the new round) instead of starting workers that wait for ours until the
+        group timeout.  Best effort: the store may be gone too."""
+        try:
+            self.next_round(rnd)
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
 
     def linger(self, timeout: float = 5.0) -> None:
         """After a failed round, wait (briefly) until every joiner has read why.

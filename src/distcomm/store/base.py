@@ -94,9 +94,15 @@ def check_key(key: object) -> str:
         raise DistInputError("store key must not be empty", key=key)
     if "\0" in key:
         raise DistInputError(f"store key {key!r:.60} must not contain NUL", key=key)
-    if len(key) * 4 > MAX_KEY_BYTES and len(key.encode()) > MAX_KEY_BYTES:
+    try:
+        size = len(key.encode())
+    except UnicodeEncodeError:  # a lone surrogate (from os.fsdecode, say): not UTF-8
         raise DistInputError(
-            f"store key is {len(key.encode())} bytes long; at most {MAX_KEY_BYTES} allowed",
+            f"store key {key!r:.60} is not valid UTF-8 text (it holds a lone surrogate)", key=key
+        ) from None
+    if size > MAX_KEY_BYTES:
+        raise DistInputError(
+            f"store key is {size} bytes long; at most {MAX_KEY_BYTES} allowed",
             key=key[:60],
         )
     return key
@@ -116,6 +122,7 @@ def check_keys(keys: object) -> list[str]:
         and all(keys)
         and max(map(len, keys)) * 4 <= MAX_KEY_BYTES
         and "\0".join(keys).count("\0") == len(keys) - 1
+        and "\0".join(keys).isascii()  # (else the slow path checks each key's UTF-8)
     ):
         return keys
     return [check_key(k) for k in keys]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from ..errors import DistInputError
+from ..errors import DistInputError, DistStoreTimeoutError
 from .base import Store
 
-__all__ = ["all_gather_strings", "forget_when_passed"]
+__all__ = ["all_gather_strings", "forget_when_passed", "missing_ranks_error"]
 
 
 def all_gather_strings(store: Store, rank: int, size: int, name: str, value: str,
@@ -27,7 +27,10 @@ def all_gather_strings(store: Store, rank: int, size: int, name: str, value: str
     store.append(key, f"{rank}={value};".encode())
     if store.add(f"{key}/count", 1) == size:
         store.set(f"{key}/done", b"")
-    store.wait([f"{key}/done"], timedelta(seconds=timeout))
+    try:
+        store.wait([f"{key}/done"], timedelta(seconds=timeout))
+    except DistStoreTimeoutError as e:
+        raise _missing_ranks(store, key, size, timeout, e) from None
     out = [""] * size
     for item in store.get(key).decode().split(";"):
         if item:
@@ -35,6 +38,28 @@ def all_gather_strings(store: Store, rank: int, size: int, name: str, value: str
             out[int(r)] = v
     forget_when_passed(store, size, key, [key, f"{key}/count", f"{key}/done"])
     return out
+
+
+def _missing_ranks(store: Store, key: str, size: int, timeout: float,
+                   e: DistStoreTimeoutError) -> DistStoreTimeoutError:
+    """The timeout of an exchange, naming the ranks that never arrived (as the docs promise)."""
+    try:
+        here = {int(item.split("=", 1)[0]) for item in store.get(key).decode().split(";") if item}
+    except Exception:  # noqa: BLE001 - the store may be gone too: keep the original error
+        return e
+    missing = [r for r in range(size) if r not in here]
+    return missing_ranks_error(missing, size, timeout, f"exchange {key!r}", f"{key}/done") if missing else e
+
+
+def missing_ranks_error(missing: list[int], size: int, timeout: float, what: str,
+                        key: str) -> DistStoreTimeoutError:
+    """A set-up wait's timeout that names the ranks that never arrived (``what``: where)."""
+    shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return DistStoreTimeoutError(
+        f"timed out after {timeout:g} s waiting for rank{'s' if len(missing) > 1 else ''} {shown} "
+        f"to join ({size - len(missing)} of {size} ranks arrived; {what})",
+        key=key, op="wait", timeout=timeout, peer=missing[0],
+    )
 
 
 def forget_when_passed(store: Store, size: int, name: str, keys: list[str]) -> None:

@@ -51,6 +51,7 @@ import os
 import struct
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,6 +74,9 @@ MAGIC = b"distcomm.FileStore v1\n"
 SET, DELETE, APPEND, BATCH = 1, 2, 3, 4
 HEADER = struct.Struct("<BIQ")
 USERS_KEY = INTERNAL_PREFIX + "filestore/users"
+#: Each open instance's ``<host key>|<pid>|<id>`` (its key; value empty), so an opener can
+#: tell a file left by a crashed run (a user on this machine whose process is gone).
+USER_PREFIX = INTERNAL_PREFIX + "filestore/user/"
 _POLL_FIRST, _POLL_MAX = 0.001, 0.016
 
 
@@ -150,6 +154,12 @@ def _check_path(file_name: object) -> str:
     return path
 
 
+def _host() -> str:
+    from ..transport.shm_segment import host_key
+
+    return host_key().replace("|", "_")
+
+
 # Instances with an open descriptor, so a forked child can take them over.
 _open_stores: weakref.WeakSet[FileStore] = weakref.WeakSet()
 
@@ -200,6 +210,7 @@ class FileStore(Store):
         self._offset = 0  # bytes of the file applied to _data
         self._owner = True  # this instance counts as one user of the file
         self._forked = False  # _fd was inherited through fork
+        self._user_key = f"{USER_PREFIX}{_host()}|{os.getpid()}|{uuid.uuid4().hex[:8]}"
         self._fd = self._join()
         _open_stores.add(self)
 
@@ -235,13 +246,23 @@ class FileStore(Store):
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if self._is_current(fd):
                     self._sync(fd, exclusive=True)
+                    dead = self._dead_users()
+                    if dead:
+                        raise DistInputError(
+                            f"FileStore {self._path!r} was left behind by a run that did not close "
+                            f"it (process {dead[0]} on this machine used it and has exited, a "
+                            "crashed job?): its keys are that run's; delete the file before "
+                            "reusing the path"
+                        )
                     users = self._users() + 1
                     if 0 < self._world_size < users:
                         raise DistInputError(
                             f"FileStore {self._path!r} would have {users} users but world_size "
                             f"is {self._world_size} (a stale file from an earlier run?)"
                         )
-                    self._commit(fd, _record(SET, USERS_KEY, str(users).encode()))
+                    records = (_record(SET, USERS_KEY, str(users).encode())
+                               + _record(SET, self._user_key))
+                    self._commit(fd, HEADER.pack(BATCH, 0, len(records)) + records)
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     return fd
             except OSError as e:
@@ -264,6 +285,22 @@ class FileStore(Store):
         fst = os.fstat(fd)
         return (st.st_ino, st.st_dev) == (fst.st_ino, fst.st_dev)
 
+    def _dead_users(self) -> list[int]:
+        """Pids of this machine's users of the file whose process has exited without closing."""
+        from ..pids import exited
+
+        here = f"{USER_PREFIX}{_host()}|"
+        dead = []
+        for key in self._data:
+            if key.startswith(here):
+                try:
+                    pid = int(key[len(here):].split("|", 1)[0])
+                except ValueError:
+                    continue
+                if pid != os.getpid() and exited(pid):
+                    dead.append(pid)
+        return dead
+
     def _users(self) -> int:
         try:
             return int(self._data.get(USERS_KEY, b"0"))
@@ -284,7 +321,9 @@ class FileStore(Store):
                     self._sync(fd, exclusive=True)
                     users = self._users() - 1
                     if users > 0:
-                        self._commit(fd, _record(SET, USERS_KEY, str(users).encode()))
+                        records = (_record(SET, USERS_KEY, str(users).encode())
+                                   + _record(DELETE, self._user_key))
+                        self._commit(fd, HEADER.pack(BATCH, 0, len(records)) + records)
                     elif self._is_current(fd):
                         os.unlink(self._path)
             except OSError as e:

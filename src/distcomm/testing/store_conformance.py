@@ -611,13 +611,14 @@ def _one_key_calls(store: Store, key: Any) -> _Calls:
 
 
 def check_bad_keys(store: Store) -> None:
-    """Non-str keys are DistTypeError; empty, NUL, too long keys are DistInputError."""
+    """Non-str keys are DistTypeError; empty, NUL, too long keys and keys that are not
+    UTF-8 (a lone surrogate, as ``os.fsdecode`` makes) are DistInputError."""
     keep, n = _setup_keep(store)
     too_long = "k" * (MAX_KEY_BYTES + 1)
     too_long_utf8 = "é" * (MAX_KEY_BYTES // 2 + 1)  # few characters, too many bytes
     for key in (123, None, b"bytes", 1.5, ["list"]):
         _all_refused(DistTypeError, TypeError, _one_key_calls(store, key))
-    for key in ("", "a\0b", "\0", too_long, too_long_utf8):
+    for key in ("", "a\0b", "\0", too_long, too_long_utf8, "run-\udcff"):
         _all_refused(DistInputError, ValueError, [
             *_one_key_calls(store, key),
             (store.wait, ([key],)),

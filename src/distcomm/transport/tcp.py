@@ -47,9 +47,16 @@ from collections import deque
 from collections.abc import Mapping
 
 from ..deadline import Deadline
-from ..errors import DistBackendError, DistError, DistInputError, DistNetworkError
+from ..errors import (
+    DistBackendError,
+    DistError,
+    DistInputError,
+    DistNetworkError,
+    DistStoreTimeoutError,
+)
 from ..store import auth
 from ..store.base import Store
+from ..store.exchange import missing_ranks_error
 from ..store.watched import CHECK_EVERY, watch_of
 from . import tcp_wire as w
 from .base import Channel, Request, collective_tag, is_eager, orphaned_error, receive_view
@@ -308,7 +315,14 @@ class TcpTransport:
                 # Learn every address now: later connections must not depend
                 # on the store (rank 0 hosts it and may leave first).
                 keys = address_keys(size)
-                store.wait(keys, timeout)
+                try:
+                    store.wait(keys, timeout)
+                except DistStoreTimeoutError:
+                    missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                    if not missing:
+                        raise
+                    raise missing_ranks_error(missing, size, timeout, "the TCP transport's addresses",
+                                              keys[missing[0]]) from None
                 self._addrs = {r: v.decode() for r, v in enumerate(store.multi_get(keys))}
         except BaseException:
             self._listener.close()
