@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import distcomm as dist
-from distcomm.errors import DistBackendError, DistInputError
+from distcomm.errors import DistBackendError, DistError, DistInputError
 from distcomm.ft import (
     ErrorSwallowingProcessGroupWrapper,
     ProcessGroupDummy,
@@ -127,15 +127,18 @@ def run_reconfigure(rank: int, world: int, port: int, backend: str) -> list:
             _store_barrier(store, f"phase{n}", world, rank)
         if rank == 0:  # each configuration left one key, its tombstone, in the store
             left = sorted(store.server.keys_like(re.compile(rb"cfg/.*", re.S)))
-            if left != [f"cfg/{n}/ft/joined/0".encode() for n in range(3)]:
+            if left != [f"cfg/{n}/ft/used".encode() for n in range(3)]:
                 problems.append(f"configurations left these keys in the store: {left}")
-        if rank == 0:  # a prefix used before is refused, with the reason
+        if rank < 2:  # a prefix used before is refused at once, with the reason, on every rank
+            t0 = time.monotonic()
             try:
-                pg.configure(f"127.0.0.1:{port}/cfg/0", 0, 1)
+                pg.configure(f"127.0.0.1:{port}/cfg/0", rank, 2)
                 problems.append("a reused prefix was accepted")
             except DistInputError as e:
                 if "fresh prefix" not in str(e):
                     problems.append(f"reused prefix: {e}")
+            except DistError as e:
+                problems.append(f"reused prefix, after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {e}")
         _store_barrier(store, "end", world, rank)
     finally:
         pg.shutdown()

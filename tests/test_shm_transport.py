@@ -535,3 +535,47 @@ def test_close_fails_a_wait_in_another_thread_at_once():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_is_safe_while_another_thread_opens_and_closes_groups():
+    """Every wait walks the process's open channels: another thread making and destroying
+    groups meanwhile must not break it ("set changed size during iteration")."""
+    import sys
+    import threading
+
+    from distcomm.store.hash import HashStore
+    from distcomm.transport.shm_channel import ShmChannel
+
+    keep = [ShmChannel.open(HashStore(), 0, 1, 10.0) for _ in range(20)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def waiter() -> None:
+        while not stop.is_set():
+            try:
+                keep[0].progress_receives()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                stop.set()
+
+    def churn() -> None:
+        end = time.monotonic() + 3
+        while not stop.is_set() and time.monotonic() < end:
+            ShmChannel.open(HashStore(), 0, 1, 10.0).close()
+        stop.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch often: the race shows at once if it is there)
+    try:
+        threads = [threading.Thread(target=waiter), threading.Thread(target=churn)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50)
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        for ch in keep:
+            ch.close()
+    assert not errors, errors

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
 from . import flight_recorder, levels, log
@@ -49,8 +50,8 @@ def world_started(store: Any, pg: Any, rank: int, size: int, timeout: float, sec
             run_id = None
     instance = None
     try:  # this initialisation's own id, whatever the run id: dumps of an earlier one are told apart
-        if rank == 0:
-            store.set(_INSTANCE_KEY, new_run_id())
+        if rank == 0:  # (unique: host, pid and second repeat for an init/destroy/init in one process)
+            store.set(_INSTANCE_KEY, f"{new_run_id()}-{uuid.uuid4().hex[:8]}")
         store.wait([_INSTANCE_KEY], min(timeout, 60.0))
         instance = store.get(_INSTANCE_KEY).decode()
     except Exception:  # noqa: BLE001 - debugging aids never stop a job

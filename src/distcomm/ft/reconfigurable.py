@@ -38,6 +38,9 @@ from .store import AbortableStore, create_store_client
 
 __all__ = ["ReconfigurableProcessGroup", "COLLECTIVES", "forward_collectives"]
 
+#: Set under a configuration's prefix once every rank has passed its set-up (the tombstone).
+_USED_KEY = "ft/used"
+
 #: The operations every distcomm process group offers, delegated by the ft groups.
 COLLECTIVES = (
     "broadcast", "allreduce", "reduce", "allgather", "allgather_into_tensor", "gather",
@@ -139,13 +142,14 @@ class ReconfigurableProcessGroup(ProcessGroup):
                 pg.group_name = f"ft:{gen}"
                 if world_size > 1:
                     _check_generation(pg, gen)
-                # Every rank has joined and read the generation: the last one past here deletes
-                # the set-up keys but rank 0's ``ft/joined/0``, the prefix's tombstone (a reused
-                # prefix is still refused), so that each configuration (each quorum change of a
-                # Manager) leaves one key in the store instead of world_size + 1.
+                # Every rank has joined and read the generation: the last one past here sets
+                # the prefix's tombstone (``_USED_KEY``: a reused prefix is refused on every
+                # rank, see _join) and deletes the set-up keys, so that each configuration
+                # (each quorum change of a Manager) leaves one key in the store.
                 with contextlib.suppress(DistError):
                     forget_when_passed(pending, world_size, "ft/setup",
-                                       ["ft/generation"] + [f"ft/joined/{r}" for r in range(1, world_size)])
+                                       ["ft/generation"] + [f"ft/joined/{r}" for r in range(world_size)],
+                                       leave=_USED_KEY)
             except BaseException:
                 pg.shutdown()
                 raise
@@ -167,7 +171,9 @@ class ReconfigurableProcessGroup(ProcessGroup):
 
     def _join(self, store: AbortableStore, rank: int) -> int:
         """Check the prefix is fresh and agree on this configuration's generation."""
-        if store.add(f"ft/joined/{rank}", 1) != 1:
+        # (a rank whose ft/joined key the last rank of that configuration deleted finds the
+        # tombstone; else it would wait for the deleted ft/generation until its timeout)
+        if store.check([_USED_KEY]) or store.add(f"ft/joined/{rank}", 1) != 1:
             prefix = store.underlying_store.prefix
             raise DistInputError(
                 f"store prefix {prefix!r} was already used by a configuration with a rank {rank}; "

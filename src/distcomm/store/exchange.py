@@ -62,10 +62,16 @@ def missing_ranks_error(missing: list[int], size: int, timeout: float, what: str
     )
 
 
-def forget_when_passed(store: Store, size: int, name: str, keys: list[str]) -> None:
+def forget_when_passed(store: Store, size: int, name: str, keys: list[str],
+                       leave: str | None = None) -> bool:
     """This rank is done with ``keys``: the last of the ``size`` ranks to say so for
-    ``name`` deletes them (and the count)."""
+    ``name`` deletes them (and the count), after setting ``leave`` (a tombstone) if given.
+    Returns whether this rank was the last."""
     passed = f"{name}/passed"
-    if store.add(passed, 1) == size:
-        for k in (*keys, passed):
-            store.delete_key(k)
+    if store.add(passed, 1) != size:
+        return False
+    if leave is not None:
+        store.set(leave, b"")
+    for k in (*keys, passed):
+        store.delete_key(k)
+    return True

@@ -155,9 +155,15 @@ def _check_path(file_name: object) -> str:
 
 
 def _host() -> str:
+    """This machine and PID namespace: a pid is only judged (exited or not) by a process
+    that sees the same pids (containers sharing /dev/shm and the file's directory may not)."""
     from ..transport.shm_segment import host_key
 
-    return host_key().replace("|", "_")
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    return f"{host_key()}:{pidns}".replace("|", "_")
 
 
 # Instances with an open descriptor, so a forked child can take them over.

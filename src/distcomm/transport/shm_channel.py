@@ -77,8 +77,24 @@ from .shm_sync import NAP, PROGRESS_NAP, _PeerWatch, futex_wait, futex_wake, wai
 
 __all__ = ["ShmChannel", "ring_bytes_for", "layout_bytes"]
 
-#: Every open channel of this process (see ``progress_receives``).
-_OPEN_CHANNELS: weakref.WeakSet[ShmChannel] = weakref.WeakSet()
+#: Every open channel of this process (see ``progress_receives``): an immutable tuple of weak
+#: references, replaced whole under ``_OPEN_LOCK``, so a waiting thread walks a snapshot while
+#: another thread opens or closes a group (a WeakSet's iteration is not safe against that:
+#: "Set changed size during iteration" out of the wait).
+_OPEN_LOCK = threading.Lock()
+_OPEN_CHANNELS: tuple[weakref.ref[ShmChannel], ...] = ()
+
+
+def _register(ch: ShmChannel) -> None:
+    global _OPEN_CHANNELS
+    with _OPEN_LOCK:
+        _OPEN_CHANNELS = tuple(r for r in _OPEN_CHANNELS if r() is not None) + (weakref.ref(ch),)
+
+
+def _unregister(ch: ShmChannel) -> None:
+    global _OPEN_CHANNELS
+    with _OPEN_LOCK:
+        _OPEN_CHANNELS = tuple(r for r in _OPEN_CHANNELS if (c := r()) is not None and c is not ch)
 
 
 def _progress_channels(skip: ShmChannel | None) -> bool:
@@ -86,8 +102,9 @@ def _progress_channels(skip: ShmChannel | None) -> bool:
     sends or receives; whether there were any.  Shared memory has no progress thread: data
     moves while some thread of the process waits on distcomm, in whichever group."""
     busy = False
-    for ch in list(_OPEN_CHANNELS):
-        if ch is not skip and ch._busy():
+    for ref in _OPEN_CHANNELS:  # (a snapshot: never changes under us)
+        ch = ref()
+        if ch is not None and ch is not skip and ch._busy():
             ch._poke()
             busy = True
     return busy
@@ -365,7 +382,7 @@ class ShmChannel(Channel):
         # waiting
         self._sleepers = 0
         self._spin_s, self._yield_s = wait_budget(local_ranks or size)
-        _OPEN_CHANNELS.add(self)  # (every wait of the process moves this channel's pending sends)
+        _register(self)  # (every wait of the process moves this channel's pending sends)
 
     def __repr__(self) -> str:
         return f"<ShmChannel rank {self.rank} of {self.size}, rings of {self._R} bytes>"
@@ -1056,7 +1073,7 @@ class ShmChannel(Channel):
         """Fail what is pending (after up to :data:`CLOSE_LINGER` s for sends still
         streaming to live peers), tell peers, unmap the segment.  Idempotent."""
         self._linger()
-        _OPEN_CHANNELS.discard(self)
+        _unregister(self)
         with self._lock:
             if self._closed:
                 return
