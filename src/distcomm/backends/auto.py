@@ -36,7 +36,7 @@ from ..transport.shm_segment import host_key
 from .channel_group import ChannelAlgorithms, ChannelProcessGroup
 from .shm import ShmProcessGroup
 from .shm_collectives import ShmCollectives
-from .tcp import TcpProcessGroup, check_connections, eager_connect, open_transport
+from .tcp import TcpProcessGroup, check_connections, eager_connect, group_id, open_transport
 
 __all__ = ["AutoBackend", "HierarchicalProcessGroup", "machine_of"]
 
@@ -44,6 +44,11 @@ __all__ = ["AutoBackend", "HierarchicalProcessGroup", "machine_of"]
 def machine_of(store: Store, rank: int, size: int, timeout: float) -> list[str]:
     """Every rank's machine identity (:func:`~distcomm.transport.shm_segment.host_key`), by rank."""
     return all_gather_strings(store, rank, size, "machine", host_key(), timeout)
+
+
+#: The algorithms a hierarchical group runs over the TCP group of all its ranks, and their codes.
+_OVER_TCP = {"allgather": _CODES["all_gather"], "gather": _CODES["gather"], "scatter": _CODES["scatter"],
+             "reduce_scatter": _CODES["reduce_scatter"], "alltoall": _CODES["all_to_all"]}
 
 
 class _Hierarchical:
@@ -62,7 +67,19 @@ class _Hierarchical:
         self.leader_of = leader_of  # machine index -> its leader's group rank
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.full, name)  # the collectives without a hierarchical form
+        attr = getattr(self.full, name)  # the collectives without a hierarchical form
+        code = _OVER_TCP.get(name)
+        if code is None:
+            return attr
+        local = self.local
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # this machine's peers may wait in shared memory for this rank (in a broadcast or
+            # barrier it did not call): the mark wakes them and names this call
+            local.mark_call(code)
+            return attr(*args, **kwargs)
+
+        return call
 
     def _told(self, seq: int, code: int, root: int | None = None, mark: int = 0) -> Callable[[], None]:
         """Tell the full group (whose messages flow only in the collectives without a
@@ -83,18 +100,29 @@ class _Hierarchical:
         after()
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:
-        self.allreduce(arr, combine, seq, deadline, name="reduce")
+        # as all_reduce, but every part of it is told it is a reduce to ``root``, so that ranks
+        # that disagree on the root, or call all_reduce where others call reduce, fail as on
+        # tcp and shm (the machines' parts check the root among their ranks, the leaders' part
+        # the code and root among the machines)
+        after = self._told(seq, _CODES["reduce"], root, mark_of(combine))
+        self.local.reduce(arr, combine, 0, seq, deadline, name="reduce", user_root=root)
+        if self.leaders is not None:
+            self.leaders.allreduce(arr, combine, seq, deadline, code=_CODES["reduce"], root=root)
+        self.local.broadcast(arr, 0, seq, deadline)
+        after()
 
     def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
         after = self._told(seq, _CODES["broadcast"], root)
         home = self.machine[root]
         mine = self.machine[self.me]
+        # every part is told the caller's root: ranks that disagree on it fail, as on tcp and
+        # shm, even when the roots they name are on one machine (home alone would agree)
         if mine == home:
-            self.local.broadcast(arr, self.local_rank[root], seq, deadline)
+            self.local.broadcast(arr, self.local_rank[root], seq, deadline, user_root=root)
         if self.leaders is not None:
-            self.leaders.broadcast(arr, home, seq, deadline)
+            self.leaders.broadcast(arr, home, seq, deadline, user_root=root)
         if mine != home:
-            self.local.broadcast(arr, 0, seq, deadline)
+            self.local.broadcast(arr, 0, seq, deadline, user_root=root)
         after()
 
     def barrier(self, seq: int, deadline: Deadline) -> None:
@@ -135,6 +163,10 @@ class HierarchicalProcessGroup(ChannelProcessGroup):
                 leaders = lpg.algorithms
             full = TcpProcessGroup(transport, ranks, f"{group_name}/all", timeout)
             self._parts.append(full)
+            if leaders is not None:
+                # a leader waits among the leaders while a peer's call of another collective
+                # (over the group of all) reaches it: fail the wait, as on tcp
+                transport.link_groups(group_id(f"{group_name}/all"), [group_id(f"{group_name}/leaders")])
         except BaseException:
             self._release_parts()
             raise

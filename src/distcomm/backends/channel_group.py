@@ -82,14 +82,20 @@ class ChannelAlgorithms:
     def barrier(self, seq: int, deadline: Deadline) -> None:
         algo.barrier(self.channel, self.start_call(seq, _BARRIER), deadline)
 
-    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
+    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline,
+                  user_root: int | None = None) -> None:
+        """``user_root``: the root the messages' tags name, when not ``root`` (the leaders of a
+        hierarchical group broadcast from the root's machine, tagged with the caller's root)."""
         name, variant = choose("broadcast", arr.nbytes, self.channel.size)
-        algo.broadcast(self.channel, arr, root, self.start_call(seq, _BROADCAST, root, variant=variant), deadline,
-                       algo=name)
+        coded = self.start_call(seq, _BROADCAST, root if user_root is None else user_root, variant=variant)
+        algo.broadcast(self.channel, arr, root, coded, deadline, algo=name)
 
-    def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline) -> None:
+    def allreduce(self, arr: np.ndarray, combine: Any, seq: int, deadline: Deadline,
+                  code: int = _ALLREDUCE, root: int | None = None) -> None:
+        """``code``, ``root``: the call the messages' tags name (a hierarchical ``reduce``
+        runs an all-reduce among the machines' leaders, tagged as the reduce it is)."""
         name, variant = choose("allreduce", arr.nbytes, self.channel.size)
-        seq = self.start_call(seq, _ALLREDUCE, mark=mark_of(combine), variant=variant)
+        seq = self.start_call(seq, code, root, mark=mark_of(combine), variant=variant)
         algo.allreduce(self.channel, arr, combine, seq, deadline, algo=name, scratch=self._scratch)
 
     def reduce(self, arr: np.ndarray, combine: Any, root: int, seq: int, deadline: Deadline) -> None:

@@ -456,6 +456,22 @@ class ShmCollectives:
                 combine(a, src.get(j, lo + p, lo + p + a.size))
 
     # -- collectives ------------------------------------------------------------------------
+    def mark_call(self, code: int) -> None:
+        """This rank makes a call of a group this one is part of that does not go through
+        shared memory (a hierarchical group's collectives over TCP): mark it and post a phase
+        without waiting, so that a peer of this machine in another call here (a broadcast,
+        a barrier) wakes and finds the mark (:meth:`_check_rooted`), or this rank finds its
+        mark, instead of waiting for the timeout.  Every rank of a correct program makes
+        the same calls, so the phases stay aligned."""
+        if self.size == 1:
+            return
+        q = self._begin()
+        mark = self._mark_rooted(q, code, None)
+        self.ctl.post(q)
+        # whichever of two disagreeing ranks marks last finds the other's mark (a broadcast's
+        # root does not wait for its readers: it checks at once, and may be first)
+        self._check_rooted(q, mark)
+
     def barrier(self, seq: int, deadline: Deadline) -> None:
         q = self._begin()
         mark = self._mark_rooted(q, _BARRIER, None)
@@ -619,7 +635,11 @@ class ShmCollectives:
             src.copy(j, j0, j1, arr[j0:j1])
         self._finish_direct(deadline)
 
-    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline) -> None:
+    def broadcast(self, arr: np.ndarray, root: int, seq: int, deadline: Deadline,
+                  user_root: int | None = None) -> None:
+        """``user_root``: the root of the caller's call when it is not ``root`` (a hierarchical
+        group's broadcast goes through each machine's first rank): the ranks' marks carry it,
+        so that ranks that disagree on it fail."""
         data = _flat(arr).view(np.uint8)
         if self.size == 1 or data.size == 0:
             return
@@ -634,7 +654,7 @@ class ShmCollectives:
             b = self._one_writes(root, deadline)
             slot = self.slots[root][b][HEADER : HEADER + part.size]
             if lo == 0:
-                call = self._mark_rooted(q, _CODES["broadcast"], root)
+                call = self._mark_rooted(q, _CODES["broadcast"], root if user_root is None else user_root)
             if me == root:
                 if lo == 0:
                     self._say(b, q, _CODES["broadcast"], data.size)
@@ -676,9 +696,11 @@ class ShmCollectives:
         return True
 
     def reduce(self, arr: np.ndarray, combine: Combine, root: int, seq: int, deadline: Deadline,
-               name: str = "reduce") -> None:
+               name: str = "reduce", user_root: int | None = None) -> None:
         """Reduce into ``arr`` at ``root``; other ranks' ``arr`` is only read.  ``name``: the
-        collective the ranks' headers (and so their errors) name, when this is part of another."""
+        collective the ranks' headers (and so their errors) name, when this is part of another.
+        ``user_root``: the root of the caller's call when it is not ``root`` (a hierarchical
+        group's reduce goes through each machine's first rank): the ranks check they agree."""
         arr = _flat(arr)
         if self.size == 1 or arr.size == 0:
             return
@@ -690,6 +712,8 @@ class ShmCollectives:
             chunk = arr[lo : lo + per]
             m = chunk.size
             q = self._begin()
+            if lo == 0 and user_root is not None:
+                rooted = self._mark_rooted(q, _CODES[name], user_root)
             used = self._others_write(root, deadline)
             if me != root:
                 views[me][used[me]][:m] = chunk
@@ -705,6 +729,8 @@ class ShmCollectives:
                     if lo == 0:
                         self._check(j, used[j], q, code, arr.nbytes, "the whole array")
                     combine(chunk, views[j][used[j]][:m])
+            if lo == 0 and user_root is not None:
+                self._check_rooted(q, rooted)  # every peer marked its call before posting q
 
     def allgather(self, out: np.ndarray, seq: int, deadline: Deadline) -> None:
         """Block r of ``out`` (even blocks) holds this rank's data; fill the others."""

@@ -296,6 +296,9 @@ class TcpTransport:
         #: (group id, rank) -> the error of talking to a rank that destroyed the group (LEAVE)
         self._left: dict[tuple[int, int], BaseException] = {}
         self._open_groups: dict[int, int] = {}  # group id -> channels open on it (LEAVE for others: ignored)
+        #: group id -> groups that fail with it when a message of another call than this
+        #: rank's arrives there (a hierarchical group's leaders' part, with its TCP group of all)
+        self._linked: dict[int, list[int]] = {}
         #: rank never in touch -> groups this process left (LEAVEs for when it is: see _peer)
         self._unsent_leaves: dict[int, dict[int, None]] = {}
         host = w.publish_address(master_addr)
@@ -521,7 +524,16 @@ class TcpTransport:
         """Fail the groups in which the matcher found a message of another call than this
         rank's: receives and ungranted sends (lock held)."""
         while self._matcher.failing:
-            self._fail_group(*self._matcher.failing.pop())
+            group, cause = self._matcher.failing.pop()
+            self._fail_group(group, cause)
+            for other in self._linked.get(group, ()):
+                self._fail_group(other, cause)
+
+    def link_groups(self, group: int, others: list[int]) -> None:
+        """A message of another call than this rank's arriving in ``group`` fails the
+        pending requests of ``others`` too (this rank may wait there, not in ``group``)."""
+        with self._mu:
+            self._linked.setdefault(group, []).extend(others)
 
     def _fail_group(self, group: int, cause: BaseException) -> None:
         """Fail pending receives and ungranted sends of ``group`` (lock held)."""
@@ -558,6 +570,7 @@ class TcpTransport:
                 self._open_groups[group] = n
                 return
             payloads, untaken = self._matcher.forget(group)
+            self._linked.pop(group, None)
             if untaken and group not in self._aborted:
                 log.warning("rank %d destroyed a process group before taking what peers sent it "
                             "there (the ranks' calls differed): %s", self.rank, "; ".join(untaken))
