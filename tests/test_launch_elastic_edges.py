@@ -47,15 +47,40 @@ dist.destroy_process_group()
 """
 
 
-def _start(tmp: Path, name: str, endpoint: str, rdzv_id: str, *flags: str, **env: str) -> subprocess.Popen:
+@pytest.fixture
+def launchers(monkeypatch):
+    """Every launcher a test starts (see _start), killed at its end if still running."""
+    monkeypatch.delenv("DISTCOMM_AUTH_TOKEN", raising=False)  # (jobs on one endpoint need no token)
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def _start(launchers: list, tmp: Path, name: str, endpoint: str, rdzv_id: str, *flags: str,
+           **env: str) -> subprocess.Popen:
     prog = tmp / "worker.py"
     if not prog.exists():
         prog.write_text(textwrap.dedent(WORKER))
-    return subprocess.Popen(
+    p = subprocess.Popen(
         [*RUN, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
          "--monitor-interval", "0.2", *flags, str(prog), str(tmp)],
         cwd=tmp, env=dict(os.environ, W_NAME=name, **env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
+    launchers.append(p)
+    return p
+
+
+def _first_node(launchers: list, tmp: Path, last_call: float) -> tuple[str, tuple[str, ...], subprocess.Popen]:
+    """An elastic job (--nnodes 1:3) on a fresh endpoint, its first node A started (and settled)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    flags = ("--nnodes", "1:3", "--rdzv-conf", f"join_timeout=20,last_call_timeout={last_call:g}")
+    a = _start(launchers, tmp, "A", endpoint, "job", *flags)
+    _wait_for(tmp / "worker.py")
+    time.sleep(0.5)
+    return endpoint, flags, a
 
 
 def _wait_for(path: Path, seconds: float = 30) -> None:
@@ -66,67 +91,40 @@ def _wait_for(path: Path, seconds: float = 30) -> None:
 
 
 def _finish(*procs: subprocess.Popen, timeout: float = 60) -> list[tuple[int, str]]:
-    out = []
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=timeout)
-            out.append((p.returncode, text))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return out
+    texts = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(p.returncode, text) for p, text in zip(procs, texts, strict=True)]
 
 
-def test_jobs_sharing_an_endpoint_outlive_its_host_and_run_an_id_again(tmp_path, monkeypatch):
+def test_jobs_sharing_an_endpoint_outlive_its_host_and_run_an_id_again(tmp_path, launchers):
     """Job H hosts the store; job Y runs to its end twice with the same --rdzv-id (the second
     run starts a new round at once); job Z still runs when H's workers are done, and H keeps
     the store up for it until it leaves."""
-    monkeypatch.delenv("DISTCOMM_AUTH_TOKEN", raising=False)
     endpoint = f"127.0.0.1:{free_port()}"
     conf = ("--rdzv-conf", "join_timeout=20,last_call_timeout=0.5")
-    host = _start(tmp_path, "H", endpoint, "H", *conf, W_UNTIL=str(tmp_path / "release-H"))
-    try:
-        _wait_for(tmp_path / "worker.py")
-        time.sleep(1.0)  # (H binds the endpoint first)
-        for run in (1, 2):
-            (code, text), = _finish(_start(tmp_path, f"Y{run}", endpoint, "Y", *conf), timeout=60)
-            assert code == 0, f"run {run} of job Y: {text}"
-        z = _start(tmp_path, "Z", endpoint, "Z", *conf, W_UNTIL=str(tmp_path / "done-H-0"), W_SLEEP="1.5")
-        _wait_for(tmp_path / "up-Z-0")  # (Z joined H's store)
-        (tmp_path / "release-H").touch()
-        (hc, htext), (zc, ztext) = _finish(host, z)
-    finally:
-        if host.poll() is None:
-            host.kill()
-            host.communicate()
+    host = _start(launchers, tmp_path, "H", endpoint, "H", *conf, W_UNTIL=str(tmp_path / "release-H"))
+    _wait_for(tmp_path / "up-H-0")  # (H hosts the endpoint)
+    for run in (1, 2):
+        (code, text), = _finish(_start(launchers, tmp_path, f"Y{run}", endpoint, "Y", *conf))
+        assert code == 0, f"run {run} of job Y: {text}"
+    z = _start(launchers, tmp_path, "Z", endpoint, "Z", *conf, W_UNTIL=str(tmp_path / "done-H-0"), W_SLEEP="1.5")
+    _wait_for(tmp_path / "up-Z-0")  # (Z joined H's store)
+    (tmp_path / "release-H").touch()
+    (hc, htext), (zc, ztext) = _finish(host, z)
     assert zc == 0 and "late store: ok" in ztext, ztext
     assert hc == 0 and "hosts the store of other jobs too (--rdzv-id Y, Z used it)" in htext, htext
 
 
-def test_a_node_joining_while_the_job_ends_does_not_take_the_store_away(tmp_path, monkeypatch):
+def test_a_node_joining_while_the_job_ends_does_not_take_the_store_away(tmp_path, launchers):
     """--nnodes 1:3: A (the store's host) finishes first and waits for B; C joins then.  The
     job is ending: no new round starts, B finishes with the store, C is told the job ended."""
-    monkeypatch.delenv("DISTCOMM_AUTH_TOKEN", raising=False)
-    endpoint = f"127.0.0.1:{free_port()}"
-    flags = ("--nnodes", "1:3", "--rdzv-conf", "join_timeout=20,last_call_timeout=1")
-    a = _start(tmp_path, "A", endpoint, "job", *flags)
-    try:
-        _wait_for(tmp_path / "worker.py")
-        time.sleep(0.3)
-        b = _start(tmp_path, "B", endpoint, "job", *flags, W_UNTIL=str(tmp_path / "go-B"))
-        _wait_for(tmp_path / "done-A-0")  # A's worker finished: A waits for B
-        time.sleep(0.5)
-        c = _start(tmp_path, "C", endpoint, "job", *flags)
-        time.sleep(2.0)
-        (tmp_path / "go-B").touch()
-        (ac, atext), (bc, btext), (cc, ctext) = _finish(a, b, c)
-    finally:
-        for p in (a,):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    endpoint, flags, a = _first_node(launchers, tmp_path, last_call=1)
+    b = _start(launchers, tmp_path, "B", endpoint, "job", *flags, W_UNTIL=str(tmp_path / "go-B"))
+    _wait_for(tmp_path / "done-A-0")  # A's worker finished: A waits for B
+    time.sleep(0.5)
+    c = _start(launchers, tmp_path, "C", endpoint, "job", *flags)
+    time.sleep(2.0)
+    (tmp_path / "go-B").touch()
+    (ac, atext), (bc, btext), (cc, ctext) = _finish(a, b, c)
     assert bc == 0 and "late store: ok" in btext, btext
     assert ac == 0, atext
     # (C learns it when its store goes: the job ended while it waited, or the store with it)
@@ -134,23 +132,13 @@ def test_a_node_joining_while_the_job_ends_does_not_take_the_store_away(tmp_path
     assert not (tmp_path / "done-C-0").exists()
 
 
-def test_a_launcher_stopped_before_its_round_closes_is_not_counted(tmp_path, monkeypatch):
+def test_a_launcher_stopped_before_its_round_closes_is_not_counted(tmp_path, launchers):
     """B joins A's round, then gets SIGTERM before the round closes: A's workers run without
     it (world size 1) instead of waiting for a node that left."""
-    monkeypatch.delenv("DISTCOMM_AUTH_TOKEN", raising=False)
-    endpoint = f"127.0.0.1:{free_port()}"
-    flags = ("--nnodes", "1:3", "--rdzv-conf", "join_timeout=20,last_call_timeout=3")
-    a = _start(tmp_path, "A", endpoint, "job", *flags)
-    try:
-        _wait_for(tmp_path / "worker.py")
-        time.sleep(0.5)
-        b = _start(tmp_path, "B", endpoint, "job", *flags)
-        time.sleep(1.5)  # B has joined the round, which closes 3 s after its second node came
-        b.send_signal(signal.SIGTERM)
-        (ac, atext), (bc, btext) = _finish(a, b)
-    finally:
-        if a.poll() is None:
-            a.kill()
-            a.communicate()
+    endpoint, flags, a = _first_node(launchers, tmp_path, last_call=3)
+    b = _start(launchers, tmp_path, "B", endpoint, "job", *flags)
+    time.sleep(1.5)  # B has joined the round, which closes 3 s after its second node came
+    b.send_signal(signal.SIGTERM)
+    (ac, atext), (bc, btext) = _finish(a, b)
     assert bc != 0, btext
     assert ac == 0 and "up: world 1" in atext, atext
