@@ -29,8 +29,9 @@ def _allreduce(rank: int, out_dir: str) -> None:
 
 
 def _fail(rank: int, out_dir: str, how: str) -> None:
-    with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
+    with open(os.path.join(out_dir, f"tmp{rank}"), "w") as f:
         f.write(str(os.getpid()))
+    os.replace(os.path.join(out_dir, f"tmp{rank}"), os.path.join(out_dir, f"pid{rank}"))  # (whole or absent)
     if rank != 1:
         time.sleep(60)  # stopped by spawn once rank 1 fails
     while len([n for n in os.listdir(out_dir) if n.startswith("pid")]) < 3:
