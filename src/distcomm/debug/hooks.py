@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from . import flight_recorder, levels, log
@@ -41,24 +42,26 @@ def world_started(store: Any, pg: Any, rank: int, size: int, timeout: float, sec
     run_id = flight_recorder.run_id_from_env() or getattr(pg, "run_id", None)
     if run_id is None:
         try:
-            if rank == 0:
-                store.set(_RUN_ID_KEY, new_run_id())
-            store.wait([_RUN_ID_KEY], min(timeout, 60.0))
-            run_id = store.get(_RUN_ID_KEY).decode()
+            run_id = _rank0s(store, rank, _RUN_ID_KEY, new_run_id, timeout)
         except Exception as e:  # noqa: BLE001 - debugging aids never stop a job
             _log.warning("no shared run id for flight recorder dumps (%s); using this pid", e)
-            run_id = None
     instance = None
     try:  # this initialisation's own id, whatever the run id: dumps of an earlier one are told apart
-        if rank == 0:  # (unique: host, pid and second repeat for an init/destroy/init in one process)
-            store.set(_INSTANCE_KEY, f"{new_run_id()}-{uuid.uuid4().hex[:8]}")
-        store.wait([_INSTANCE_KEY], min(timeout, 60.0))
-        instance = store.get(_INSTANCE_KEY).decode()
+        # (unique: host, pid and second repeat for an init/destroy/init in one process)
+        instance = _rank0s(store, rank, _INSTANCE_KEY, lambda: f"{new_run_id()}-{uuid.uuid4().hex[:8]}", timeout)
     except Exception:  # noqa: BLE001 - debugging aids never stop a job
-        instance = None
+        pass
     flight_recorder.set_world(rank, size, run_id, instance)
     flight_recorder.install_signal_handler()
     group_created(pg, seconds)
+
+
+def _rank0s(store: Any, rank: int, key: str, make: Callable[[], str], timeout: float) -> str:
+    """The value rank 0 makes with ``make`` and publishes under ``key``, on every rank."""
+    if rank == 0:
+        store.set(key, make())
+    store.wait([key], min(timeout, 60.0))
+    return store.get(key).decode()
 
 
 def world_shrunk(pg: Any, rank: int, size: int, shrinks: int, seconds: float) -> None:

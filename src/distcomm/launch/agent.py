@@ -753,7 +753,8 @@ class Agent:
                 return
             time.sleep(min(self.cfg.monitor_interval, 0.1))
 
-    def _succeeded(self, m: Membership) -> int:
+    def _succeeded(self, m: Membership) -> int | None:
+        """The exit status once this node's workers all succeeded (None: rejoin)."""
         if m.nnodes == 1:
             # (recorded anyway: a later run with this --rdzv-id, on a store that outlives this
             # launcher, must see that this one ended rather than wait for room in its round)
@@ -801,7 +802,7 @@ class Agent:
                 # stop their workers and rejoin.  Leaving now would take the store away from
                 # them; rejoin too, so the new round can form.
                 _say("the job's membership changed after this node's workers succeeded; rejoining")
-                return None  # type: ignore[return-value]
+                return None
             time.sleep(self.cfg.monitor_interval)
         return 0 if self.signum is None else 128 + self.signum
 

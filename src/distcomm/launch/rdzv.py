@@ -141,10 +141,6 @@ class NodeRendezvous:
         """The nodes of round ``rnd`` that did not report success yet."""
         return [n for n in range(nnodes) if not self.store.check([self._k(rnd, f"done/{n}")])]
 
-    def _finishing(self, rnd: int, nnodes: int) -> bool:
-        """Whether a node of round ``rnd`` already reported that its workers succeeded."""
-        return any(self.store.check([self._k(rnd, f"done/{node}")]) for node in range(nnodes))
-
     def all_done(self, rnd: int, nnodes: int) -> bool:
         """Whether every one of the ``nnodes`` nodes of round ``rnd`` succeeded."""
         return self.store.check([self._k(rnd, f"done/{node}") for node in range(nnodes)])
@@ -160,13 +156,14 @@ class NodeRendezvous:
             try:
                 rnd = self.current_round()
                 closed = self._peek(self._k(rnd, "closed"))
+                waiting = [] if closed is None else self.not_done(rnd, int(closed))
                 # (no new round once a node of the running one reported success: the job is
                 # ending, and a new round would stop the workers still running and let the
                 # store's host leave)
-                finishing = closed is not None and self._finishing(rnd, int(closed))
+                finishing = closed is not None and len(waiting) < int(closed)
                 # Every node of that round succeeded: a job with this --rdzv-id ran to its end
                 # on this store (which outlived it: another job's launcher hosts it).
-                ended = finishing and self.all_done(rnd, int(closed))
+                ended = finishing and not waiting
             except DistError as e:
                 if not full:
                     raise

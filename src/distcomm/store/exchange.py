@@ -63,15 +63,13 @@ def missing_ranks_error(missing: list[int], size: int, timeout: float, what: str
 
 
 def forget_when_passed(store: Store, size: int, name: str, keys: list[str],
-                       leave: str | None = None) -> bool:
+                       leave: str | None = None) -> None:
     """This rank is done with ``keys``: the last of the ``size`` ranks to say so for
-    ``name`` deletes them (and the count), after setting ``leave`` (a tombstone) if given.
-    Returns whether this rank was the last."""
+    ``name`` deletes them (and the count), after setting ``leave`` (a tombstone) if given."""
     passed = f"{name}/passed"
     if store.add(passed, 1) != size:
-        return False
+        return
     if leave is not None:
         store.set(leave, b"")
     for k in (*keys, passed):
         store.delete_key(k)
-    return True

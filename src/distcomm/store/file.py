@@ -86,6 +86,12 @@ def _record(kind: int, key: str, value: bytes = b"") -> bytes:
     return HEADER.pack(kind, len(raw), len(value)) + raw + value
 
 
+def _batch(*records: bytes) -> bytes:
+    """Records applied together (one, as it is)."""
+    body = b"".join(records)
+    return body if len(records) == 1 else HEADER.pack(BATCH, 0, len(body)) + body
+
+
 class _Corrupt(Exception):
     def __init__(self, pos: int, reason: str) -> None:
         super().__init__(reason)
@@ -216,7 +222,8 @@ class FileStore(Store):
         self._offset = 0  # bytes of the file applied to _data
         self._owner = True  # this instance counts as one user of the file
         self._forked = False  # _fd was inherited through fork
-        self._user_key = f"{USER_PREFIX}{_host()}|{os.getpid()}|{uuid.uuid4().hex[:8]}"
+        self._here = f"{USER_PREFIX}{_host()}|"  # this machine's (and PID namespace's) user keys
+        self._user_key = f"{self._here}{os.getpid()}|{uuid.uuid4().hex[:8]}"
         self._fd = self._join()
         _open_stores.add(self)
 
@@ -266,9 +273,8 @@ class FileStore(Store):
                             f"FileStore {self._path!r} would have {users} users but world_size "
                             f"is {self._world_size} (a stale file from an earlier run?)"
                         )
-                    records = (_record(SET, USERS_KEY, str(users).encode())
-                               + _record(SET, self._user_key))
-                    self._commit(fd, HEADER.pack(BATCH, 0, len(records)) + records)
+                    self._commit(fd, _batch(_record(SET, USERS_KEY, str(users).encode()),
+                                            _record(SET, self._user_key)))
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     return fd
             except OSError as e:
@@ -295,7 +301,7 @@ class FileStore(Store):
         """Pids of this machine's users of the file whose process has exited without closing."""
         from ..pids import exited
 
-        here = f"{USER_PREFIX}{_host()}|"
+        here = self._here
         dead = []
         for key in self._data:
             if key.startswith(here):
@@ -327,9 +333,8 @@ class FileStore(Store):
                     self._sync(fd, exclusive=True)
                     users = self._users() - 1
                     if users > 0:
-                        records = (_record(SET, USERS_KEY, str(users).encode())
-                                   + _record(DELETE, self._user_key))
-                        self._commit(fd, HEADER.pack(BATCH, 0, len(records)) + records)
+                        self._commit(fd, _batch(_record(SET, USERS_KEY, str(users).encode()),
+                                                _record(DELETE, self._user_key)))
                     elif self._is_current(fd):
                         os.unlink(self._path)
             except OSError as e:
@@ -510,8 +515,7 @@ class FileStore(Store):
         return self._await("multi_get", keys, timeout)
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
-        records = b"".join(_record(SET, k, v) for k, v in zip(keys, values, strict=True))
-        payload = records if len(keys) == 1 else HEADER.pack(BATCH, 0, len(records)) + records
+        payload = _batch(*(_record(SET, k, v) for k, v in zip(keys, values, strict=True)))
         with self._locked("multi_set", exclusive=True) as fd:
             self._commit(fd, payload)
 
