@@ -280,3 +280,58 @@ def test_a_receive_from_any_rank_fails_once_every_other_member_left(backend):
     assert r["one left"].startswith("DistTimeoutError: "), r  # one member left, another could still send
     assert "every other member destroyed the group, the last rank 1" in r["error"], r
     assert r["peer"] == 1 and r["seconds"] < 10, r
+
+
+def _dies_in_a_subgroup(rank: int, world_size: int, backend: str, port: int, how: str) -> dict:
+    """In the group of ranks [1, 2, 3] rank 3 dies in an all_reduce (``how="kill"``) or calls
+    broadcast where the others call all_reduce (``"clash"``).  The rank that dies is a child
+    of rank 3's process (run_ranks sees that process end normally)."""
+    from collective_cases import init
+
+    if rank == 3 and how == "kill":
+        pid = os.fork()
+        if pid == 0:
+            try:
+                init(rank, world_size, backend, port, timeout=60)
+                dist.new_group([1, 2, 3])
+                dist.barrier()
+                time.sleep(0.5)
+            finally:
+                os._exit(17)
+        os.waitpid(pid, 0)
+        return {}
+    init(rank, world_size, backend, port, timeout=60)
+    sub = dist.new_group([1, 2, 3])
+    dist.barrier()
+    out: dict = {}
+    if rank in (1, 2, 3):
+        try:
+            if rank == 3:
+                dist.broadcast(np.ones(4), src=1, group=sub)
+            else:
+                dist.all_reduce(np.ones(4), group=sub)
+            out["error"] = None
+        except dist.DistBackendError as e:
+            out["error"] = str(e)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["kill", "clash"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_errors_in_a_subgroup_give_each_rank_its_rank_in_that_group(backend, how):
+    """Over auto:2machines the group's parts (a machine's ranks, the machines' leaders) number
+    their ranks their own way: errors must still give the ranks of the user's group."""
+    import re
+
+    results = run_world(_dies_in_a_subgroup, 4, backend, how, timeout=45)
+    group_rank = {1: 0, 2: 1, 3: 2}
+    survivors = (1, 2) if how == "kill" else (1, 2, 3)
+    for rank in survivors:
+        text = results[rank]["error"]
+        assert text is not None and "rank 3" in text, (rank, text)
+        named = re.findall(r"rank (\d+) \(group rank (\d+)\)", text)
+        assert named, (rank, text)
+        wrong = [(g, r) for g, r in named if group_rank[int(g)] != int(r)]
+        assert not wrong, (rank, text)

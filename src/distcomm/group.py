@@ -136,11 +136,13 @@ def ranks_text(ranks: list[int]) -> str:
     return f"ranks {ranks}"
 
 
-def describe_rank(ranks: list[int], r: int) -> str:
+def describe_rank(ranks: list[int], r: int, shown: list[int] | None = None) -> str:
     """Group rank ``r`` of the group of global ``ranks`` as errors name it: by its global
-    rank, and its group rank too where they differ."""
+    rank, and its group rank too where they differ.  ``shown`` (for a part of a user's group,
+    such as ``auto``'s machines) gives the group rank to name instead of ``r``."""
     me = ranks[r] if 0 <= r < len(ranks) else r
-    return f"rank {me}" if me == r else f"rank {me} (group rank {r})"
+    g = shown[r] if shown is not None and 0 <= r < len(shown) else r
+    return f"rank {me}" if me == g else f"rank {me} (group rank {g})"
 
 
 class ProcessGroup:

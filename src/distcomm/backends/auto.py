@@ -153,12 +153,12 @@ class HierarchicalProcessGroup(ChannelProcessGroup):
         try:
             local = ShmProcessGroup(PrefixStore(f"machine{h}", store), local_rank[rank], len(members[h]),
                                     [ranks[r] for r in members[h]], f"{group_name}/machine{h}", timeout,
-                                    local_ranks)
+                                    local_ranks, shown=members[h])
             self._parts.append(local)
             leaders = None
             if leader_of[h] == rank:
                 lpg = TcpProcessGroup(transport, [ranks[r] for r in leader_of], f"{group_name}/leaders",
-                                      timeout)
+                                      timeout, shown=leader_of)
                 self._parts.append(lpg)
                 leaders = lpg.algorithms
             full = TcpProcessGroup(transport, ranks, f"{group_name}/all", timeout)

@@ -132,7 +132,9 @@ class ShmProcessGroup(ChannelProcessGroup):
     backend_name = "shm"
 
     def __init__(self, store: Store, rank: int, size: int, ranks: list[int], group_name: str,
-                 timeout: float, local_ranks: int) -> None:
+                 timeout: float, local_ranks: int, shown: list[int] | None = None) -> None:
+        """``shown``: for a part of a larger group (``auto``'s machines), each member's rank in
+        that group, which errors name."""
         self.local_ranks = local_ranks
         rounds = round_bytes()
         small = one_phase_bytes(size)
@@ -141,7 +143,7 @@ class ShmProcessGroup(ChannelProcessGroup):
         starts, end = slot_layout(ctl_bytes, slot, 2 * size)
 
         def describe(r: int) -> str:
-            return describe_rank(ranks, r)
+            return describe_rank(ranks, r, shown)
 
         self._segment: Segment | None = None
         self._control: Control | None = None

@@ -30,9 +30,12 @@ _TOKEN_KEY = "tcp/job_token"
 class TcpProcessGroup(ChannelProcessGroup):
     backend_name = "tcp"
 
-    def __init__(self, transport: TcpTransport, ranks: list[int], group_name: str, timeout: float) -> None:
+    def __init__(self, transport: TcpTransport, ranks: list[int], group_name: str, timeout: float,
+                 shown: list[int] | None = None) -> None:
+        """``shown``: for a part of a larger group (``auto``'s leaders), each member's rank in
+        that group, which errors name."""
         self.transport = transport
-        super().__init__(transport.channel(group_id(group_name), ranks), group_name, timeout, ranks)
+        super().__init__(transport.channel(group_id(group_name), ranks, shown), group_name, timeout, ranks)
 
     def connect_all(self) -> None:
         """Open every connection of this group now instead of on first use."""

@@ -186,7 +186,7 @@ class SendRequest(_Done):
         self.members = members  # process rank -> group rank
 
     def describe(self) -> str:
-        return f"sending to rank {self.members[self.peer]}"
+        return f"sending to {_who(self.peer, self.members)}"
 
 
 class RecvRequest(_Done):
@@ -676,8 +676,18 @@ class BufferPool:
             self._held += cls
 
 
+class Members(dict):
+    """A channel's members, process rank -> group rank, and in :attr:`shown` the group rank
+    errors name (for a channel that is a part of a user's group, such as ``auto``'s
+    leaders, the rank in the user's group)."""
+
+    def __init__(self, ranks: list[int], shown: list[int] | None = None) -> None:
+        super().__init__((r, i) for i, r in enumerate(ranks))
+        self.shown: dict[int, int] | None = None if shown is None else dict(zip(ranks, shown, strict=True))
+
+
 def _who(peer: int, members: dict[int, int]) -> str:
-    group_rank = members.get(peer, peer)
+    group_rank = (getattr(members, "shown", None) or members).get(peer, peer)
     return f"rank {peer}" if group_rank == peer else f"rank {peer} (group rank {group_rank})"
 
 

@@ -65,9 +65,11 @@ from .matching import (
     SENT,
     BufferPool,
     Matcher,
+    Members,
     RecvRequest,
     SendRequest,
     _Done,
+    _who,
     lost_peer_error,
 )
 from .tcp_connect import (
@@ -343,11 +345,12 @@ class TcpTransport:
                 obj.close()
 
     # -- public ----------------------------------------------------------------
-    def channel(self, group_id: int, ranks: list[int]) -> TcpChannel:
-        """A channel for the group of process ranks ``ranks`` (group rank = index)."""
+    def channel(self, group_id: int, ranks: list[int], shown: list[int] | None = None) -> TcpChannel:
+        """A channel for the group of process ranks ``ranks`` (group rank = index; errors
+        name ``shown[i]`` instead where given, see :class:`~.matching.Members`)."""
         with self._mu:
             self._open_groups[group_id] = self._open_groups.get(group_id, 0) + 1
-        return TcpChannel(self, group_id, ranks)
+        return TcpChannel(self, group_id, ranks, shown)
 
     def connect_all(self, ranks: list[int]) -> None:
         """Connect eagerly to every rank in ``ranks``."""
@@ -1274,8 +1277,9 @@ class TcpTransport:
         reason = bytes(data).decode("utf-8", "replace")
         # the cause, else (none known, or this rank) the rank that gave up
         peer = p.rank if lost in (w.NO_RANK, self.rank) else lost
-        err = DistBackendError(f"rank {p.rank} gave up on the group: {reason}", peer=peer)
         with self._mu:
+            who = _who(p.rank, self._matcher.members.get(group, {}))
+            err = DistBackendError(f"{who} gave up on the group: {reason}", peer=peer)
             self._aborted.setdefault(group, err)  # receives posted later fail too
             self._fail_group(group, err)
 
@@ -1600,11 +1604,12 @@ class TcpTransport:
 class TcpChannel(Channel):
     """A group's view of the transport: group ranks in, process ranks on the wire."""
 
-    def __init__(self, transport: TcpTransport, group_id: int, ranks: list[int]) -> None:
+    def __init__(self, transport: TcpTransport, group_id: int, ranks: list[int],
+                 shown: list[int] | None = None) -> None:
         self._t = transport
         self._gid = group_id
         self._ranks = list(ranks)
-        self._members = {g: i for i, g in enumerate(ranks)}
+        self._members = Members(self._ranks, shown)
         self.rank = self._members[transport.rank]
         self.size = len(ranks)
         self._closed = False
