@@ -18,10 +18,12 @@ goes on waiting.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -184,19 +186,44 @@ def dump_flight_recorder(path: str | None = None, reason: str = "dump_flight_rec
     ``path`` is a directory (the file is ``rank<R>.json`` in it) or a file
     name ending in ``.json``; None: :func:`dump_dir`.
     """
+    default = path is None and not os.environ.get(ENV_DIR, "").strip()
     target = path or dump_dir()
     if not target.endswith(".json"):
         rank = _state["rank"]
         target = os.path.join(target, f"rank{rank if rank is not None else 'unknown-' + str(os.getpid())}.json")
     data = snapshot(reason)
     with _lock:
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        where = os.path.dirname(target) or "."
+        if default:  # in /tmp, under a name other users can guess: ours alone, or none
+            _private_dir(os.path.dirname(where) if _state["shrinks"] else where)
+            _private_dir(where)
+        else:
+            os.makedirs(where, exist_ok=True)
         tmp = f"{target}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        try:
+            os.unlink(tmp)  # (a left-over of this pid's: never written through)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with open(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
         os.replace(tmp, target)
     return target
+
+
+def _private_dir(path: str) -> None:
+    """Make ``path`` (mode 0700) unless it exists; refuse it unless it is a directory of this
+    user's (not a symbolic link): another user could have made it first, to read the dumps
+    or to plant links the dump would be written through."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{path} exists and is not a directory of this user's (made by "
+                      f"another user?); remove it, or set {ENV_DIR} to a directory of yours")
 
 
 def _on_failure(pg: Any, error: BaseException) -> None:

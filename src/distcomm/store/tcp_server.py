@@ -66,11 +66,18 @@ _RECV_SIZE = 256 * 1024
 _MAX_POLL = 3600.0
 #: WAITs whose key list is at least this long share cursors (rendezvous of many clients).
 _SHARE_WAIT_BYTES = 256
+#: Most connections that may sit in the handshake at once (the oldest is dropped beyond, as
+#: in the TCP transport): idle sockets of someone without the token must not take every fd.
+MAX_PENDING_HANDSHAKES = 4096
+#: A connection whose unsent answers exceed this many bytes is not read (nor its requests
+#: served) until they drain: a client that sends requests and never reads the answers must
+#: not grow the server's memory without bound.
+WBUF_PAUSE_BYTES = 8 << 20
 
 
 class _Conn:
     __slots__ = ("sock", "addr", "rbuf", "wbuf", "woff", "ready", "waiter", "closed", "writing",
-                 "challenge", "torch_ns")
+                 "challenge", "torch_ns", "torch_partial", "paused")
 
     def __init__(self, sock: socket.socket, addr: str) -> None:
         self.sock = sock
@@ -84,6 +91,8 @@ class _Conn:
         self.writing = False
         self.challenge: tuple[bytes, bytes] | None = None  # (client, server) nonces
         self.torch_ns: bytes | None = None  # a torch.distributed client: the prefix of its keys
+        self.torch_partial: tuple | None = None  # a torch request parsed in part (torch_wire.parse)
+        self.paused = False  # too many unsent answers: not read until they drain
 
 
 class _Waiter:
@@ -156,8 +165,11 @@ class StoreServer:
             self._resume: deque[_Conn] = deque()
             self._leaders: dict[bytes, _Waiter] = {}  # shared WAIT cursors by raw key list
             self._conns: set[_Conn] = set()
+            self._pending: dict[_Conn, None] = {}  # connections in their handshake, oldest first
+            self._ns_counts: dict[bytes, int] = {}  # torch clients' key prefixes -> keys under them
+            self._indexes: dict[re.Pattern[bytes], set[bytes]] = {}  # keys_like's patterns -> keys
             self._accept_paused = False
-            self._emfile_logged = False
+            self._emfile_logged_at = -math.inf  # (at most one such error per LOG_WINDOW)
             self._stop = False
             self._wake_r, self._wake_w = socket.socketpair()
             self._wake_r.setblocking(False)
@@ -190,8 +202,15 @@ class StoreServer:
         return self._data.get(key)
 
     def keys_like(self, pattern: re.Pattern[bytes]) -> list[bytes]:
-        """The keys that ``pattern`` matches in full (for :attr:`torch_keys`, in the server's thread)."""
-        return [k for k in self._data if pattern.fullmatch(k)]
+        """The keys that ``pattern`` matches in full (for :attr:`torch_keys`, in the server's thread).
+
+        The first call scans the table; from then on the server keeps that pattern's keys
+        as keys come and go, so a call costs what it returns, not the table (torch_keys runs
+        at every torch client's hello, which anyone who reaches the port may send)."""
+        found = self._indexes.get(pattern)
+        if found is None:
+            found = self._indexes[pattern] = {k for k in self._data if pattern.fullmatch(k)}
+        return list(found)
 
     @property
     def num_connections(self) -> int:
@@ -257,34 +276,47 @@ class StoreServer:
             except BlockingIOError:
                 return
             except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
+                    # Out of descriptors: those of connections still in their handshake go
+                    # first (the oldest), not the ability to serve the job's own clients.
+                    self._log_emfile(e)
+                    self._drop(next(iter(self._pending)), "out of file descriptors: the oldest "
+                               "connection still in its handshake is dropped")
+                    continue
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     self._pause_accept(e)
                     return
                 if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
                     continue
                 raise
-            self._emfile_logged = False
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if len(self._pending) >= MAX_PENDING_HANDSHAKES:  # a flood: the oldest goes
+                self._drop(next(iter(self._pending)), "too many connections in their handshake")
             conn = _Conn(sock, _fmt_addr(addr))
             self._conns.add(conn)
+            self._pending[conn] = None
             self.stats["accepted"] += 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self._timer(time.monotonic() + self._handshake_timeout, "handshake", conn)
 
     def _pause_accept(self, e: OSError) -> None:
-        if not self._emfile_logged:
+        self._log_emfile(e)
+        self._sel.unregister(self._listener)
+        self._accept_paused = True
+        self._timer(time.monotonic() + EMFILE_PAUSE, "accept", None)
+
+    def _log_emfile(self, e: OSError) -> None:
+        now = time.monotonic()
+        if now - self._emfile_logged_at >= LOG_WINDOW:
             soft, hard = fd_limits()
             log.error(
                 "store server on port %d cannot accept more connections (%s) with %d open; "
                 "this process may open %s files (hard limit %s): raise `ulimit -n`",
                 self.port, e.strerror, len(self._conns), soft, hard,
             )
-            self._emfile_logged = True
-        self._sel.unregister(self._listener)
-        self._accept_paused = True
-        self._timer(time.monotonic() + EMFILE_PAUSE, "accept", None)
+            self._emfile_logged_at = now
 
     def _drop(self, conn: _Conn, reason: str | None = None) -> None:
         if conn.closed:
@@ -297,6 +329,9 @@ class StoreServer:
         if w is not None:
             self._unpark(w)
         self._conns.discard(conn)
+        self._pending.pop(conn, None)
+        # (a timer may keep the object a while: not its buffers)
+        conn.rbuf, conn.wbuf, conn.woff, conn.torch_partial = bytearray(), bytearray(), 0, None
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -328,17 +363,21 @@ class StoreServer:
             return
         if conn.wbuf:
             conn.wbuf += data
-            return
-        try:
-            n = conn.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError:
-            self._drop(conn)
-            return
-        if n < len(data):
+        else:
+            try:
+                n = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                self._drop(conn)
+                return
+            if n == len(data):
+                return
             conn.wbuf += data[n:]
             self._want_write(conn, True)
+        if not conn.paused and len(conn.wbuf) - conn.woff > WBUF_PAUSE_BYTES:
+            conn.paused = True  # (requests already read wait in rbuf; _flush resumes them)
+            self._events(conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -353,12 +392,21 @@ class StoreServer:
         if conn.woff == len(conn.wbuf):
             conn.wbuf.clear()
             conn.woff = 0
+            if conn.paused:
+                conn.paused = False
+                if conn.rbuf:
+                    self._resume.append(conn)
             self._want_write(conn, False)
 
     def _want_write(self, conn: _Conn, on: bool) -> None:
         if conn.writing != on and not conn.closed:
             conn.writing = on
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+            self._events(conn)
+
+    def _events(self, conn: _Conn) -> None:
+        if not conn.closed:
+            events = (0 if conn.paused else selectors.EVENT_READ) | (
+                selectors.EVENT_WRITE if conn.writing else 0)
             self._sel.modify(conn.sock, events, conn)
 
     # -- framing ---------------------------------------------------------
@@ -375,7 +423,7 @@ class StoreServer:
             self._process_torch(conn, buf, pos)
             return
         end = len(buf)
-        while conn.waiter is None and not conn.closed and end - pos >= 4:
+        while conn.waiter is None and not conn.closed and not conn.paused and end - pos >= 4:
             (n,) = p.U32.unpack_from(buf, pos)
             if n == 0 or n > p.MAX_FRAME:
                 self._drop(conn, f"bad frame length {n}")
@@ -408,7 +456,10 @@ class StoreServer:
                 self._drop(conn, ns)
                 return 0
             conn.torch_ns = ns
+            if ns not in self._ns_counts:  # (once per prefix, not per query: see GETNUMKEYS)
+                self._ns_counts[ns] = sum(1 for k in self._data if k.startswith(ns))
             conn.ready = True
+            self._pending.pop(conn, None)
             return len(tw.HELLO)
         size = p.HANDSHAKE.size
         if len(buf) < size:
@@ -431,6 +482,7 @@ class StoreServer:
                 return 0
             self._reply(conn, version, p.HS_OK)
             conn.ready = True
+            self._pending.pop(conn, None)
             return size
         if len(buf) < size + auth.NONCE_BYTES:
             return 0
@@ -461,6 +513,7 @@ class StoreServer:
         conn.challenge = None
         self._reply(conn, p.VERSION, p.HS_OK)
         conn.ready = True
+        self._pending.pop(conn, None)
         return auth.MAC_BYTES
 
     def _reply(self, conn: _Conn, version: int, status: int) -> None:
@@ -543,16 +596,18 @@ class StoreServer:
     # -- torch.distributed's clients ------------------------------------------
     def _process_torch(self, conn: _Conn, buf: bytearray, pos: int) -> None:
         """Serve the complete torch queries in ``buf`` from ``pos`` (see :mod:`.torch_wire`)."""
-        while not conn.closed and pos < len(buf):
+        while not conn.closed and not conn.paused and pos < len(buf):
             if conn.waiter is not None and buf[pos] != tw.CANCEL_WAIT:
                 break  # (the client sends nothing else while it waits)
             try:
-                op, fields, end = tw.parse(buf, pos)
-            except tw.Incomplete:
+                op, fields, end = tw.parse(buf, pos, conn.torch_partial)
+            except tw.Incomplete as e:
+                conn.torch_partial = e.state  # (resumed there when more bytes come)
                 break
             except tw.Unsupported as e:
                 self._drop(conn, str(e))
                 return
+            conn.torch_partial = None
             pos = end
             try:
                 self._handle_torch(conn, op, fields)
@@ -584,8 +639,9 @@ class StoreServer:
             self._send(conn, tw.string(self._compare_set(_key(ns + f[0]), f[1], f[2])))
         elif op == tw.CHECK:
             self._send(conn, tw.READY if all(_key(ns + k) in data for k in f) else tw.NOT_READY)
-        elif op == tw.GETNUMKEYS:
-            self._send(conn, tw.int64(sum(1 for k in data if k.startswith(ns))))
+        elif op == tw.GETNUMKEYS:  # (counted as keys come and go: a scan per query costs a
+            # client that sends one byte the whole table)
+            self._send(conn, tw.int64(self._ns_counts.get(ns, 0)))
         elif op == tw.DELETE_KEY:
             self._send(conn, tw.int64(int(self._delete(_key(ns + f[0])))))
         elif op == tw.APPEND:
@@ -616,6 +672,13 @@ class StoreServer:
         existed = self._data.pop(key, None) is not None
         if existed and not key.startswith(_INTERNAL):
             self._visible -= 1
+        if existed and self._ns_counts:
+            for ns in self._ns_counts:
+                if key.startswith(ns):
+                    self._ns_counts[ns] -= 1
+        if existed:
+            for found in self._indexes.values():
+                found.discard(key)
         return existed
 
     def _append(self, key: bytes, value: bytes) -> None:
@@ -623,8 +686,16 @@ class StoreServer:
 
     def _put(self, key: bytes, value: bytes) -> None:
         data = self._data
-        if key not in data and not key.startswith(_INTERNAL):
-            self._visible += 1
+        if key not in data:
+            if not key.startswith(_INTERNAL):
+                self._visible += 1
+            if self._ns_counts:
+                for ns in self._ns_counts:
+                    if key.startswith(ns):
+                        self._ns_counts[ns] += 1
+            for pattern, found in self._indexes.items():
+                if pattern.fullmatch(key):
+                    found.add(key)
         data[key] = value
         waiters = self._watch.pop(key, None)
         if waiters:

@@ -60,7 +60,15 @@ _I64 = struct.Struct("<q")
 
 
 class Incomplete(Exception):
-    """The buffer ends inside the request: wait for more bytes."""
+    """The buffer ends inside the request: wait for more bytes.
+
+    ``state`` (None for a request cheap to parse again) lets :func:`parse` resume where it
+    stopped once more bytes came, instead of starting the request over: a request of many
+    keys sent a few bytes at a time must not cost its length squared."""
+
+    def __init__(self, state: tuple | None = None) -> None:
+        super().__init__()
+        self.state = state
 
 
 class Unsupported(ValueError):
@@ -95,11 +103,15 @@ class _Reader:
         return self.take(self.count(MAX_STRING, "string length"))
 
 
-def parse(buf: bytes | bytearray, pos: int) -> tuple[int, list, int]:
+def parse(buf: bytes | bytearray, pos: int, state: tuple | None = None) -> tuple[int, list, int]:
     """The query at ``buf[pos:]``: (query type, its fields, where the next begins).
 
-    Raises :class:`Incomplete` if the buffer ends first, :class:`Unsupported`
-    for a query type this server does not serve or a field out of bounds."""
+    Raises :class:`Incomplete` if the buffer ends first (pass its ``state`` back, with the
+    query still at ``pos``, to resume), :class:`Unsupported` for a query type this server
+    does not serve or a field out of bounds."""
+    if state is not None:
+        kind, got, offset, n = state
+        return _strings(_Reader(buf, pos + offset), kind, got, n, pos)
     r = _Reader(buf, pos)
     op = r.take(1)[0]
     if op in (VALIDATE, PING):
@@ -111,15 +123,26 @@ def parse(buf: bytes | bytearray, pos: int) -> tuple[int, list, int]:
     elif op == ADD:
         fields = [r.string(), r.i64()]
     elif op in (CHECK, WAIT, MULTI_GET):
-        fields = [r.string() for _ in range(r.count(MAX_KEYS, "key count"))]
+        return _strings(r, op, [], r.count(MAX_KEYS, "key count"), pos)
     elif op == MULTI_SET:
-        fields = [r.string() for _ in range(2 * r.count(MAX_KEYS, "key count"))]
+        return _strings(r, op, [], 2 * r.count(MAX_KEYS, "key count"), pos)
     elif op in (GETNUMKEYS, CANCEL_WAIT):
         fields = []
     elif op in NAMES:
         raise Unsupported(f"torch.distributed store query {NAMES[op]!r}, which a distcomm store does not serve")
     else:
         raise Unsupported(f"unknown torch.distributed store query type {op}")
+    return op, fields, r.pos
+
+
+def _strings(r: _Reader, op: int, fields: list, n: int, start: int) -> tuple[int, list, int]:
+    """Read strings until ``fields`` has ``n``; on running out, raise a resumable Incomplete."""
+    while len(fields) < n:
+        mark = r.pos
+        try:
+            fields.append(r.string())
+        except Incomplete:
+            raise Incomplete((op, fields, mark - start, n)) from None
     return op, fields, r.pos
 
 

@@ -162,6 +162,11 @@ CALL_EVERY = 10
 USER_TIMEOUT_VAR = "DISTCOMM_TCP_USER_TIMEOUT"
 
 
+def _unbracket(host: str) -> str:
+    """``host`` without the brackets of an IPv6 address written as ``[::1]``."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def user_timeout() -> float:
     """:data:`USER_TIMEOUT_VAR` in seconds (default 30; 0 turns it off)."""
     raw = os.environ.get(USER_TIMEOUT_VAR, "30")
@@ -278,6 +283,8 @@ class TcpTransport:
     ) -> None:
         self.rank = rank
         self._hello_timeout = hello_timeout
+        self._emfile_logged_at = -1e9
+        self._accept_paused_until = 0.0  # out of descriptors: the listener is unwatched until then
         self.size = size
         self._store = store
         self._token = token
@@ -304,8 +311,16 @@ class TcpTransport:
         #: rank never in touch -> groups this process left (LEAVEs for when it is: see _peer)
         self._unsent_leaves: dict[int, dict[int, None]] = {}
         host = w.publish_address(master_addr)
-        bind = host if host.startswith("127.") or host == "localhost" else ""
-        self._listener = socket.create_server((bind, 0), backlog=max(128, size))
+        bare = _unbracket(host)
+        if ":" in bare:  # an IPv6 address (DISTCOMM_HOSTNAME, --local-addr): listen on IPv6
+            bind = bare if bare == "::1" else "::"
+            self._listener = socket.create_server(
+                (bind, 0), family=socket.AF_INET6, backlog=max(128, size),
+                dualstack_ipv6=bind == "::" and socket.has_dualstack_ipv6())
+            host = f"[{bare}]"  # (published as [addr]:port, so the port can be told apart)
+        else:
+            bind = host if host.startswith("127.") or host == "localhost" else ""
+            self._listener = socket.create_server((bind, 0), backlog=max(128, size))
         try:
             self._listener.setblocking(False)
             self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -736,7 +751,7 @@ class TcpTransport:
                 self._store.wait([addr_key(p.rank)], deadline.remaining())
                 addr = self._store.get(addr_key(p.rank)).decode()
             host, _, port = addr.rpartition(":")
-            sock = connect_retry(host, int(port), deadline, p.rank)
+            sock = connect_retry(_unbracket(host), int(port), deadline, p.rank)
             try:
                 connector_handshake(sock, self._token, self._auth, self.rank, p.rank)
                 sock.setblocking(False)
@@ -881,6 +896,13 @@ class TcpTransport:
                 wait = -1.0
                 if hello:
                     wait = min(1.0, self._hello_timeout)
+                if self._accept_paused_until:
+                    left = self._accept_paused_until - time.monotonic()
+                    if left <= 0:
+                        self._accept_paused_until = 0.0
+                        self._ep.modify(lfd, select.EPOLLIN)
+                    else:
+                        wait = left if wait < 0 else min(wait, left)
                 if parked:
                     delay = self._parked_delay(parked)
                     wait = delay if wait < 0 else min(wait, delay)
@@ -961,7 +983,19 @@ class TcpTransport:
                 return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE):
-                    log.error("rank %d cannot accept a connection: %s", self.rank, e)
+                    # The listener stays readable (level-triggered): returning alone would spin
+                    # this thread, logging each turn.  Free a descriptor from the oldest
+                    # connection still in its handshake, or stop accepting for a moment.
+                    now = time.monotonic()
+                    if now - self._emfile_logged_at >= 60.0:
+                        self._emfile_logged_at = now
+                        log.error("rank %d cannot accept a connection: %s (%d in their handshake)",
+                                  self.rank, e, len(hello))
+                    if hello:
+                        self._end_hello(next(iter(hello)), hello, "out of file descriptors")
+                        continue
+                    self._ep.modify(self._listener.fileno(), 0)
+                    self._accept_paused_until = now + 0.1
                 return
             if len(hello) >= w.MAX_PENDING_HELLOS:  # a flood: the oldest goes
                 self._end_hello(next(iter(hello)), hello, "too many connections in their handshake")
@@ -1540,7 +1574,7 @@ class TcpTransport:
             return
         host, _, port = addr.rpartition(":")
         try:
-            with socket.create_connection((host, int(port)), timeout=2) as sock:
+            with socket.create_connection((_unbracket(host), int(port)), timeout=2) as sock:
                 version = w.VERSION if self._auth is None else w.AUTH_VERSION
                 sock.sendall(w.HELLO.pack(w.MAGIC, version, w.PROBE, self._token, self.rank))
         except ConnectionRefusedError:
