@@ -46,6 +46,7 @@ from ..errors import (
     DistStoreTimeoutError,
 )
 from ..store import TCPStore, auth
+from ..store.tcp_client import is_loopback
 from ..store.tcp_server import StoreServer
 from ..transport.tcp_wire import HOST_VAR
 from . import error_record
@@ -213,10 +214,13 @@ class Agent:
         server = self.store.server
         if server is None or not server.alive:
             return
-        ours = rdzv_namespace(self.cfg.rdzv_id).encode()
-        rounds = re.compile(re.escape(rdzv_namespace("").encode()[:-1]) + rb"[^/]+/round")
-        others = sorted(k.decode("utf-8", "replace").split("/")[1]
-                        for k in server.keys_like(rounds) if not k.startswith(ours))
+        ours = rdzv_namespace(self.cfg.rdzv_id)
+        rounds = re.compile(re.escape(rdzv_namespace("")[:-1]) + r"[^/]+/round")
+        try:  # (through this launcher's client: the server's table is its own thread's)
+            keys = self.store.list_keys()
+        except DistError:
+            return
+        others = sorted(k.split("/")[1] for k in keys if rounds.fullmatch(k) and not k.startswith(ours))
         if not others or server.num_connections <= 1:  # (1: this launcher's own client)
             return
         _say(f"this launcher hosts the store of other jobs too (--rdzv-id {', '.join(others)} used it); "
@@ -269,6 +273,10 @@ class Agent:
                 self.store.set_timeout(timeout)
                 self.hosting = True
                 self._serve_torch(self.store.server)
+                if not self.auth_token and not is_loopback(cfg.store_host):
+                    _say(f"warning: the job's store at {addr} has no authentication: any process that "
+                         f"can reach port {cfg.store_port} can read and change it; set "
+                         f"{auth.ENV_VAR} to the same token on every node to authenticate them")
                 return
             except DistConnectTimeoutError as e:
                 raise LaunchError(

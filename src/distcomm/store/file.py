@@ -6,7 +6,7 @@ File format
 The file starts with the 22-byte line ``distcomm.FileStore v1\\n``, followed by
 an append-only log of records.  Each record is::
 
-    kind       u8             1 SET, 2 DELETE, 3 APPEND, 4 BATCH
+    kind       u8             1 SET, 2 DELETE, 3 APPEND, 4 BATCH, 5 MOVED
     key_len    u32 little-endian
     value_len  u64 little-endian
     key        key_len bytes of UTF-8
@@ -14,8 +14,20 @@ an append-only log of records.  Each record is::
 
 SET stores ``value`` under ``key``; DELETE removes ``key`` (empty value);
 APPEND adds ``value`` to the end of ``key``'s bytes; BATCH has an empty key and
-complete records as its value, applied all together (``multi_set``).
+complete records as its value, applied all together (``multi_set``); MOVED
+(empty key and value) ends the log: it goes on in a new file at the path.
 Replaying the log from the start gives the store's contents.
+
+Compaction
+----------
+Deleted and overwritten values stay in the log, so a long job (many
+``new_group`` calls, each leaving a few KiB) would grow the file without end.
+A writer that finds the log past ``COMPACT_MIN_BYTES`` and four times the size
+of the contents it holds writes the contents alone to a new file beside it,
+renames that over the path, and appends MOVED to the old file, all under the
+old file's exclusive lock.  Every other instance finds MOVED on its next
+visit (or, opening the path, the new file), opens the path again and replays
+the new file from its start.
 
 Locking
 -------
@@ -71,7 +83,9 @@ from .base import (
 __all__ = ["FileStore"]
 
 MAGIC = b"distcomm.FileStore v1\n"
-SET, DELETE, APPEND, BATCH = 1, 2, 3, 4
+SET, DELETE, APPEND, BATCH, MOVED = 1, 2, 3, 4, 5
+#: The log is compacted once past this size and four times its contents' (see above).
+COMPACT_MIN_BYTES = 1 << 20
 HEADER = struct.Struct("<BIQ")
 USERS_KEY = INTERNAL_PREFIX + "filestore/users"
 #: Each open instance's ``<host key>|<pid>|<id>`` (its key; value empty), so an opener can
@@ -98,14 +112,25 @@ class _Corrupt(Exception):
         self.pos, self.reason = pos, reason
 
 
+class _Moved(Exception):
+    """A MOVED record ends the log (``pos``: where the records before it end)."""
+
+    def __init__(self, pos: int) -> None:
+        super().__init__(pos)
+        self.pos = pos
+
+
 def _replay(buf: memoryview, data: dict[str, bytes]) -> int:
     """Apply the complete records at the start of ``buf`` to ``data``.
 
     Returns how many bytes they span; an incomplete record at the end is left.
+    Raises :class:`_Moved` at a MOVED record.
     """
     pos, end, size = 0, len(buf), HEADER.size
     while end - pos >= size:
         kind, key_len, value_len = HEADER.unpack_from(buf, pos)
+        if kind == MOVED and not key_len and not value_len:
+            raise _Moved(pos)
         if not SET <= kind <= BATCH:
             raise _Corrupt(pos, f"unknown record kind {kind}")
         key_end = pos + size + key_len
@@ -123,7 +148,11 @@ def _replay(buf: memoryview, data: dict[str, bytes]) -> int:
         elif kind == APPEND:
             data[key] = data.get(key, b"") + bytes(buf[key_end:stop])
         else:
-            if key_len or _replay(buf[key_end:stop], data) != value_len:
+            try:
+                whole = not key_len and _replay(buf[key_end:stop], data) == value_len
+            except _Moved:
+                whole = False
+            if not whole:
                 raise _Corrupt(pos, "malformed batch record")
         pos = stop
     return pos
@@ -139,6 +168,14 @@ def _pread(fd: int, size: int, offset: int) -> bytes:
         size -= len(chunk)
         offset += len(chunk)
     return b"".join(chunks)
+
+
+def _pwrite_all(fd: int, payload: bytes, pos: int) -> None:
+    view = memoryview(payload)
+    while view:
+        written = os.pwrite(fd, view, pos)
+        view = view[written:]
+        pos += written
 
 
 def _check_path(file_name: object) -> str:
@@ -220,6 +257,7 @@ class FileStore(Store):
         self._lock = threading.Lock()
         self._data: dict[str, bytes] = {}
         self._offset = 0  # bytes of the file applied to _data
+        self._next_compact = COMPACT_MIN_BYTES  # the log size at which to consider compacting
         self._owner = True  # this instance counts as one user of the file
         self._forked = False  # _fd was inherited through fork
         self._here = f"{USER_PREFIX}{_host()}|"  # this machine's (and PID namespace's) user keys
@@ -250,7 +288,7 @@ class FileStore(Store):
         """Open the file, register as a user and return the descriptor."""
         while True:
             try:
-                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
                 raise DistInputError(f"FileStore cannot open {self._path!r}: {e.strerror}") from e
             except OSError as e:
@@ -322,15 +360,12 @@ class FileStore(Store):
     def close(self) -> None:
         """Stop using the file; the last user deletes it.  Idempotent."""
         with self._lock:
-            fd = self._fd
-            if fd is None:
+            if self._fd is None:
                 return
-            self._fd = None
             _open_stores.discard(self)
             try:
                 if self._owner:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    self._sync(fd, exclusive=True)
+                    fd = self._hold(self._fd, exclusive=True)
                     users = self._users() - 1
                     if users > 0:
                         self._commit(fd, _batch(_record(SET, USERS_KEY, str(users).encode()),
@@ -340,6 +375,7 @@ class FileStore(Store):
             except OSError as e:
                 raise DistStoreError(f"FileStore cannot close {self._path!r}: {e.strerror}") from e
             finally:
+                fd, self._fd = self._fd, None
                 os.close(fd)
 
     def __del__(self) -> None:
@@ -364,8 +400,10 @@ class FileStore(Store):
                     f"FileStore {self._path!r} cannot be reopened after fork: {e.strerror}", op=op
                 ) from e
             if not self._is_current(fd):
-                os.close(own)
-                raise DistStoreError(f"FileStore {self._path!r} was removed after fork", op=op)
+                if not self._moved_on(fd):
+                    os.close(own)
+                    raise DistStoreError(f"FileStore {self._path!r} was removed after fork", op=op)
+                self._data, self._offset = {}, 0  # compacted since: replay the new file
             os.close(fd)
             self._fd = fd = own
             self._forked = False
@@ -375,26 +413,88 @@ class FileStore(Store):
     def _locked(self, op: str, exclusive: bool = False) -> Iterator[int]:
         """Hold both locks with ``_data`` up to date; yields the descriptor."""
         with self._lock:
-            fd = self._usable_fd(op)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                fd = self._hold(self._usable_fd(op), exclusive)
+                compacted = None
                 try:
                     if not self._is_current(fd):  # its users would no longer see each other
                         raise DistStoreError(
                             f"FileStore {self._path!r} was deleted or replaced while in use (by "
                             f"another program or a cleanup); the stores using it cannot go on", op=op,
                         )
-                    self._sync(fd, exclusive)
                     yield fd
+                    if exclusive and self._offset >= self._next_compact:
+                        compacted = self._compact(fd)
                 finally:
                     fcntl.flock(fd, fcntl.LOCK_UN)
+                if compacted is not None:
+                    os.close(fd)
+                    self._fd = compacted
             except OSError as e:
                 raise DistStoreError(
                     f"FileStore {self._path!r}: {op} failed: {e.strerror or e}", op=op
                 ) from e
 
-    def _sync(self, fd: int, exclusive: bool) -> None:
-        """Apply records written since the last visit (caller holds the flock)."""
+    def _hold(self, fd: int, exclusive: bool) -> int:
+        """Lock ``fd`` (this instance's) and sync; where the log moved to a compacted file, make
+        the file now at the path this instance's and do the same.  Returns the descriptor locked."""
+        while True:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                moved = self._sync(fd, exclusive)
+            except BaseException:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                raise
+            if not moved:
+                return fd
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            try:
+                new = os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:  # (the last user removes it only after every other closed)
+                raise DistStoreError(f"FileStore {self._path!r} was deleted while in use") from None
+            os.close(fd)
+            self._fd = fd = new
+            self._data, self._offset = {}, 0
+
+    def _moved_on(self, fd: int) -> bool:
+        """Whether the log of ``fd`` (not locked: a forked child's inherited one) ends in MOVED."""
+        size = os.fstat(fd).st_size
+        try:
+            _replay(memoryview(_pread(fd, size - self._offset, self._offset)), dict(self._data))
+        except _Moved:
+            return True
+        except _Corrupt:
+            pass
+        return False
+
+    def _compact(self, fd: int) -> int | None:
+        """Write the contents alone to a new file and rename it over the path, then end the
+        log of ``fd`` with MOVED, if the log is four times the contents (caller holds LOCK_EX
+        and has synced).  Returns the new file's descriptor, or None."""
+        body = b"".join(_record(SET, k, v) for k, v in self._data.items())
+        self._next_compact = max(COMPACT_MIN_BYTES, 4 * (len(MAGIC) + len(body)))
+        if self._offset < self._next_compact:
+            return None
+        tmp = f"{self._path}.compact-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        new = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                _pwrite_all(new, MAGIC + body, 0)
+                os.rename(tmp, self._path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            # (other instances now open the new file; those that have the old one follow MOVED)
+            self._commit(fd, HEADER.pack(MOVED, 0, 0), apply=False)
+        except BaseException:
+            os.close(new)
+            raise
+        self._offset = len(MAGIC) + len(body)
+        return new
+
+    def _sync(self, fd: int, exclusive: bool) -> bool:
+        """Apply records written since the last visit (caller holds the flock).  Returns
+        whether the log ended in MOVED (then the records before it are applied)."""
         size = os.fstat(fd).st_size
         if self._offset == 0:
             head = _pread(fd, min(size, len(MAGIC)), 0)
@@ -402,10 +502,10 @@ class FileStore(Store):
                 raise DistStoreError(f"FileStore file {self._path!r} is not a distcomm FileStore")
             if len(head) < len(MAGIC):
                 if not exclusive:
-                    return  # empty (or a torn header): no keys yet
+                    return False  # empty (or a torn header): no keys yet
                 os.ftruncate(fd, 0)
                 self._commit(fd, MAGIC, apply=False)
-                return
+                return False
             self._offset = len(MAGIC)
         if size < self._offset:
             raise DistStoreError(
@@ -416,6 +516,8 @@ class FileStore(Store):
             buf = _pread(fd, size - self._offset, self._offset)
             try:
                 self._offset += _replay(memoryview(buf), self._data)
+            except _Moved:
+                return True
             except _Corrupt as e:
                 self._offset += e.pos
                 raise DistStoreError(
@@ -423,16 +525,13 @@ class FileStore(Store):
                 ) from None
             if exclusive and self._offset < size:
                 os.ftruncate(fd, self._offset)  # a torn record from a killed writer
+        return False
 
     def _commit(self, fd: int, payload: bytes, apply: bool = True) -> None:
         """Append ``payload`` (caller holds LOCK_EX and has synced) and apply it."""
-        start = pos = self._offset
-        view = memoryview(payload)
+        start = self._offset
         try:
-            while view:
-                written = os.pwrite(fd, view, pos)
-                view = view[written:]
-                pos += written
+            _pwrite_all(fd, payload, start)
         except BaseException:
             try:
                 os.ftruncate(fd, start)
@@ -441,7 +540,7 @@ class FileStore(Store):
             raise
         if apply:
             _replay(memoryview(payload), self._data)
-        self._offset = pos
+        self._offset = start + len(payload)
 
     def _await(self, op: str, keys: list[str], timeout: float) -> list[bytes]:
         """Poll until every key is set (or its queue holds an item); return their values
