@@ -21,7 +21,7 @@ from distcomm.testing import free_port
 
 RUN = [sys.executable, "-m", "distcomm.run"]
 
-#: Records its pid in DIR/pid<RANK>, says "ready", waits to be stopped; SIGUSR1 is noted.
+#: Says "ready", records its pid in DIR/pid<RANK>, waits to be stopped; SIGUSR1 is noted.
 WAIT_PROG = """
 import os, signal, sys, time
 d = sys.argv[1]
@@ -29,11 +29,11 @@ def usr1(signum, frame):
     print("got SIGUSR1", flush=True)
     sys.exit(0)
 signal.signal(signal.SIGUSR1, usr1)
+print("ready", flush=True)  # (before the pid file: a signal sent once it exists never cuts this line)
 tmp = os.path.join(d, "tmp" + os.environ["RANK"])
 with open(tmp, "w") as f:
     f.write(str(os.getpid()))
 os.rename(tmp, os.path.join(d, "pid" + os.environ["RANK"]))
-print("ready", flush=True)
 time.sleep(60)
 """
 
