@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from distcomm import rendezvous
-from distcomm.errors import DistInputError, DistRendezvousError
+from distcomm.errors import DistInputError, DistNetworkError, DistRendezvousError
 from distcomm.launch import env_mpich, env_openmpi, env_slurm, env_torchrun
 from distcomm.launch.environment import DERIVED_PORT_RANGE, LaunchInfo, derived_port, detect
 from distcomm.launch.hostlist import expand_hostlist, first_host
@@ -207,11 +207,50 @@ def test_env_rendezvous_under_fake_torchrun_avoids_torchs_store(fake_env):
     assert _meet(env, fake_env) == (0, 1, derived_port("torchrun:abc:29400"), b"v")
 
 
-def test_explicit_variables_win_over_the_launcher(fake_env):
+def test_explicit_master_variables_win_over_the_launcher(fake_env):
     port = free_port()
-    env = {**SLURM, "SLURM_PROCID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "1"}
+    env = {**SLURM, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": "1", "RANK": "0"}
     assert _meet(env, fake_env) == (0, 1, port, b"v")
+
+
+@pytest.mark.parametrize(("name", "value", "said"), [("WORLD_SIZE", "1", "world size 8"),
+                                                     ("RANK", "0", "rank 5")])
+def test_rank_or_size_in_the_environment_contradicting_the_launcher_is_an_error(fake_env, name, value,
+                                                                                said):
+    """A RANK or WORLD_SIZE left over in the environment (an export in the shell) would run
+    each srun task as a job of its own, silently: both values are named instead."""
+    fake_env({**SLURM, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), name: value})
+    with pytest.raises(DistRendezvousError) as info:
+        next(rendezvous("env://"))
+    text = str(info.value)
+    assert f"{name}={value} in the environment, but Slurm started this process with {said}" in text
+    assert "\n" not in text and info.value.variable == name
+
+
+def test_a_derived_port_someone_holds_says_where_it_came_from(fake_env):
+    """Two jobs whose ids hash alike share a derived port: the second's error says the port
+    was derived and how to choose one."""
+    import socket
+
+    env = {**SLURM, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1"}
+    port = detect(env).master_port
+    with socket.create_server(("127.0.0.1", port)):
+        fake_env(env)
+        with pytest.raises(DistNetworkError) as info:
+            next(rendezvous("env://", timeout=5))
+    text = str(info.value)
+    assert f"port {port} is derived from the job id Slurm gave" in text and "set MASTER_PORT" in text, text
+
+
+def test_the_url_overrides_the_launcher_on_purpose(fake_env):
+    port = free_port()
+    fake_env({**SLURM, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1"})
+    store, rank, size = next(rendezvous("env://?rank=0&world_size=1", timeout=10))
+    store.close()
+    assert (rank, size) == (0, 1)
 
 
 def test_nothing_found_is_one_line_naming_the_missing_variables(fake_env):

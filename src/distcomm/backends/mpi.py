@@ -506,6 +506,33 @@ def _check_job(rank: int, world_size: int, mpi_rank: int, mpi_size: int) -> None
         )
 
 
+def _check_not_relaunched() -> None:
+    """Refuse, before MPI is initialised, a process that another launcher (``distcomm run``,
+    ``torchrun``, ``spawn``) started inside an MPI job: it inherited the MPI variables of the
+    process that ran that launcher, so MPI would count it as that process (every worker of
+    it the same MPI rank, in overlapping worlds), while the launcher gave it a rank of its own."""
+    from ..launch import env_mpich, env_openmpi
+
+    env = os.environ
+    if not (env.get("TORCHELASTIC_RUN_ID") or env.get("DISTCOMM_USE_AGENT_STORE")):
+        return
+    rank, size = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
+    for launcher in (env_openmpi, env_mpich):
+        if not launcher.present(env):
+            continue
+        mpi_rank, mpi_size = env[launcher.LAUNCHER.rank_var], env[launcher.LAUNCHER.size_var]
+        if rank and size and (rank, size) != (mpi_rank.strip(), mpi_size.strip()):
+            who = "distcomm run or torchrun" if env.get("TORCHELASTIC_RUN_ID") else "distcomm.spawn"
+            raise DistInputError(
+                f"backend 'mpi': {who} started this process as rank {rank} of {size}, but it "
+                f"carries the {launcher.NAME} variables of the process that started {who} "
+                f"(rank {mpi_rank} of {mpi_size}), so MPI would count it as that process; "
+                f"backend 'mpi' needs the MPI launcher to start every process "
+                f"(mpirun -n {size} python ...), or use backend 'auto' under {who}"
+            )
+        return
+
+
 def _node(rt: MpiRuntime, comm: Any, deadline: Deadline) -> tuple[int, int]:
     """This process's rank among the processes of its machine, and their number."""
     node = rt.blocking("MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)", deadline, comm.Split_type,
@@ -575,6 +602,7 @@ class MpiBackend(BackendFactory):
         super().__init__("mpi", None)  # type: ignore[arg-type]
 
     def bootstrap(self, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
+        _check_not_relaunched()
         rt = runtime()
         deadline = Deadline(timeout)
         comm = rt.world(deadline)
@@ -586,6 +614,7 @@ class MpiBackend(BackendFactory):
 
     def world(self, store: Store, rank: int, size: int, timeout: float, world: Any = None,
               **_: Any) -> MpiProcessGroup:
+        _check_not_relaunched()  # (with an init_method, bootstrap did not run)
         rt = runtime()
         deadline = Deadline(timeout)
         parent = rt.world(deadline)

@@ -18,8 +18,11 @@ NAME = "torchrun"
 
 
 def present(env: Mapping[str, str]) -> bool:
-    """torchrun started this process (it always sets ``TORCHELASTIC_RUN_ID``)."""
-    return bool(env.get("TORCHELASTIC_RUN_ID")) and not env.get("DISTCOMM_RUN_ID")
+    """torchrun started this process (it always sets ``TORCHELASTIC_RUN_ID``; ``distcomm
+    run`` sets it too, equal to its ``DISTCOMM_RUN_ID``: a torchrun started inside a
+    ``distcomm run`` worker gives its workers a run id of its own)."""
+    run = env.get("TORCHELASTIC_RUN_ID")
+    return bool(run) and run != env.get("DISTCOMM_RUN_ID")
 
 
 def info(env: Mapping[str, str]) -> LaunchInfo:

@@ -89,6 +89,10 @@ class MpiLauncher:
     port_scheme: str
     hint: str
 
+    def own_vars(self) -> tuple[str, ...]:
+        """The variables that say this process's place in the job."""
+        return (self.rank_var, self.size_var, self.local_rank_var, self.local_size_var)
+
     def present(self, env: Mapping[str, str]) -> bool:
         """This launcher started this process."""
         return self.rank_var in env and self.size_var in env
@@ -100,7 +104,7 @@ class MpiLauncher:
         one_host = size is not None and local_size == size
         job = next((env[v] for v in self.job_vars if env.get(v)), None)
         if job is None and one_host:
-            job = f"ppid{os.getppid()}"
+            job = f"ppid{launcher_pid(self.own_vars(), env)}"
         return LaunchInfo(
             source=self.name,
             rank=read_int(env, self.rank_var, self.name),
@@ -111,6 +115,52 @@ class MpiLauncher:
             master_port=derived_port(f"{self.port_scheme}:{job}") if job else None,
             hint=self.hint,
         )
+
+
+def _environ_of(pid: int) -> dict[str, str] | None:
+    """The environment ``pid`` was started with (Linux ``/proc``), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return out
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def launcher_pid(own_vars: tuple[str, ...], env: Mapping[str, str]) -> int:
+    """The process that started this rank: the nearest ancestor not started with this
+    rank's values of ``own_vars`` (the MPI launcher's local daemon or proxy).  A wrapper
+    between it and Python (``mpiexec -n 4 ./run.sh``, a script that runs python) carries
+    the rank's variables, so it is skipped: every rank on the host finds the same daemon
+    (a daemon that is itself a rank of an outer job differs in one of them at least).
+    Falls back to the parent process where ``/proc`` cannot tell."""
+    mine = [env.get(v) for v in own_vars]
+    pid = os.getppid()
+    for _ in range(64):  # (a bound, against a cycle that /proc races could fake)
+        seen = _environ_of(pid)
+        if seen is None:
+            break
+        if [seen.get(v) for v in own_vars] != mine:
+            return pid
+        parent = _parent_of(pid)
+        if parent is None or parent <= 1:
+            break
+        pid = parent
+    return os.getppid()
 
 
 def _modules():

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
-from ..errors import DistRendezvousError, DistTypeError
+from ..errors import DistNetworkError, DistRendezvousError, DistTypeError
 from ..launch.environment import detect
 from .base import Store
 from .file import FileStore
@@ -106,24 +106,30 @@ def _int(value: str | None, variable: str, where: str, expected: str, low: int =
     return n
 
 
-def _rank_and_size(query: Mapping[str, str], env: Mapping[str, str] | None) -> tuple[int, int]:
-    """Rank and world size from the query, else (if given) the environment."""
+def _rank_and_size(
+    query: Mapping[str, str], env: Mapping[str, str] | None,
+    origins: Mapping[str, str] | None = None,
+) -> tuple[int, int]:
+    """Rank and world size from the query, else (if given) the environment.
+
+    ``origins`` says, for a variable a launcher filled in, where it came from
+    (``"(from Open MPI)"``), so errors do not blame a variable the user never set."""
 
     def pick(qname: str, vname: str) -> tuple[str | None, str, str]:
         if qname in query:
             return query[qname], qname, "in the init_method URL"
         if env is not None:
-            return env.get(vname), vname, "in the environment"
+            return env.get(vname), vname, (origins or {}).get(vname, "in the environment")
         return None, qname, "in the init_method URL"
 
-    value, name, where = pick("world_size", "WORLD_SIZE")
-    size = _int(value, name, where, "the number of processes, an integer >= 1", low=1)
+    value, size_name, size_where = pick("world_size", "WORLD_SIZE")
+    size = _int(value, size_name, size_where, "the number of processes, an integer >= 1", low=1)
     value, name, where = pick("rank", "RANK")
     rank = _int(value, name, where, f"this process's rank, an integer in [0, {size})")
     if rank >= size:
         raise DistRendezvousError(
-            f"{name}={rank} {where} is not below the world size {size}; "
-            f"expected an integer in [0, {size})",
+            f"{name}={rank} {where} is not below the world size {size} "
+            f"({size_name} {size_where}); expected an integer in [0, {size})",
             variable=name,
         )
     return rank, size
@@ -141,6 +147,22 @@ def _port(value: str | None, variable: str, where: str) -> int:
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _agent_store(env: Mapping[str, str]) -> bool:
+    """Whether a launcher of this process (``distcomm run``, ``spawn``) hosts the store.
+
+    ``distcomm run`` gives its workers ``DISTCOMM_RUN_ID`` and ``TORCHELASTIC_RUN_ID``
+    alike, and a store prefix under ``run/<id>/``.  A launcher started inside one of its
+    workers (``torchrun``) overwrites ``TORCHELASTIC_RUN_ID`` but not the ``DISTCOMM_*``
+    variables: they are then the outer job's, and its store is not this job's."""
+    if not _truthy(env.get("DISTCOMM_USE_AGENT_STORE")):
+        return False
+    run = env.get("DISTCOMM_RUN_ID")
+    prefix = env.get("DISTCOMM_STORE_PREFIX") or ""
+    if run and prefix.startswith(f"run/{run}/") and env.get("TORCHELASTIC_RUN_ID", run) != run:
+        return False
+    return True
 
 
 # -- built-in handlers ------------------------------------------------------
@@ -172,27 +194,39 @@ class _LauncherStore(PrefixStore):
 _ENV_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int]:
-    """Rank, world size, store address and port: explicit variables, then the launcher's."""
+def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int, str]:
+    """Rank, world size, store address and port: explicit variables, then the launcher's;
+    and where the port came from (``"MASTER_PORT"``, or the launcher's name)."""
     env: dict[str, str] = dict(os.environ)
-    info = None if _truthy(env.get("DISTCOMM_USE_AGENT_STORE")) else detect(env)
+    info = None if _agent_store(env) else detect(env)
+    origins: dict[str, str] = {}
     if info is not None:
+        for name, value, qname in (("WORLD_SIZE", info.world_size, "world_size"),
+                                   ("RANK", info.rank, "rank")):
+            # RANK / WORLD_SIZE in the environment that contradict the launcher that started
+            # this process are left over (a shell's export, an outer launcher's worker):
+            # obeying them runs every process as its own job, silently.  Arguments and the
+            # URL still override (that is deliberate).
+            given = env.get(name)
+            if qname not in query and given and value is not None and given.strip() != str(value):
+                raise DistRendezvousError(
+                    f"{name}={given} in the environment, but {info.source} started this process "
+                    f"with {name.lower().replace('_', ' ')} {value}; unset {name} (left over from "
+                    f"another job or launcher?), or pass {qname}= to init_process_group to "
+                    "override the launcher", variable=name)
         for name, value in zip(
             _ENV_VARS, (info.world_size, info.rank, info.master_addr, info.master_port), strict=True
         ):
             if not env.get(name) and value is not None:
                 env[name] = str(value)
+                origins[name] = f"(from {info.source})"
         if info.store_port is not None:  # MASTER_PORT is the launcher's own store
             env["MASTER_PORT"] = str(info.store_port)
-        for name, value in (("LOCAL_RANK", info.local_rank),
-                            ("LOCAL_WORLD_SIZE", info.local_world_size)):
-            if value is not None:  # for code that reads them, as under torchrun
-                os.environ.setdefault(name, str(value))
     given = {"WORLD_SIZE": "world_size" in query, "RANK": "rank" in query}
     missing = [v for v in _ENV_VARS if not env.get(v) and not given.get(v)]
     where = "in the environment"
     try:
-        rank, size = _rank_and_size(query, env)
+        rank, size = _rank_and_size(query, env, origins)
         addr = env.get("MASTER_ADDR")
         if not addr:
             raise DistRendezvousError(
@@ -209,18 +243,33 @@ def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int]:
         else:
             why = f"{info.source} does not say it" + (f": {info.hint}" if info.hint else "")
         raise DistRendezvousError(f"{e} ({why})", variable=e.variable) from None
-    return rank, size, addr, port
+    if info is not None and (info.rank, info.world_size) == (rank, size):
+        # the launcher's job is this one: its local rank and size hold (for code that
+        # reads them, as under torchrun); not for a world of the caller's own making
+        for name, value in (("LOCAL_RANK", info.local_rank),
+                            ("LOCAL_WORLD_SIZE", info.local_world_size)):
+            if value is not None:
+                os.environ.setdefault(name, str(value))
+    derived = info is not None and ("MASTER_PORT" in origins or info.store_port is not None)
+    return rank, size, addr, port, info.source if derived and info is not None else "MASTER_PORT"
 
 
 def _env_handler(url: str, timeout: Timeout = DEFAULT_STORE_TIMEOUT, **_: object):
     query = dict(parse_qsl(urlparse(url).query))
-    rank, size, addr, port = _env_settings(query)
-    if _truthy(os.environ.get("DISTCOMM_USE_AGENT_STORE")):
+    rank, size, addr, port, port_from = _env_settings(query)
+    if _agent_store(os.environ):
         store = TCPStore(addr, port, None, False, timeout)
         prefix = os.environ.get("DISTCOMM_STORE_PREFIX")
         yield (_LauncherStore(prefix, store) if prefix else store), rank, size
         return
-    store = TCPStore(addr, port, size, rank == 0, timeout, multi_tenant=True)
+    try:
+        store = TCPStore(addr, port, size, rank == 0, timeout, multi_tenant=True)
+    except DistNetworkError as e:
+        if rank != 0 or port_from == "MASTER_PORT" or "cannot start the store server" not in str(e):
+            raise
+        raise DistNetworkError(f"{e} (port {port} is derived from the job id {port_from} gave: another "
+                               "job whose id hashes alike may hold it; set MASTER_PORT to choose one)",
+                               addr=e.addr) from None
     yield store, rank, size
 
 
