@@ -221,6 +221,13 @@ class _QuietLighthouse:
     """What a ReplicaGroupServer needs of its lighthouse connection for votes alone."""
 
     step = 0
+    heartbeat_timeout = None  # (never said: the replica group's own default applies)
+
+    def longest_silence(self) -> float:
+        return 0.0
+
+    def mark_silence(self) -> None:
+        pass
 
     def close(self, leave: bool = True) -> None:
         pass

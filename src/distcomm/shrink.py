@@ -36,6 +36,7 @@ from .errors import (
 )
 from .group import ProcessGroup
 from .store import PrefixStore, Store
+from .store.watched import WatchedStore
 
 __all__ = ["shrink_group", "SHRINK_DEFAULT", "SHRINK_ABORT"]
 
@@ -135,6 +136,9 @@ def _agree(store: Store, pg: ProcessGroup, excluded: list[int]) -> None:
         late = [r for r in remaining if str(r) not in seen]
         if not late:
             return
+        # a late rank the group saw die will never call it: say so now, not at the timeout
+        pg.check_members([pg.ranks[r] for r in late], f"waiting for it in shrink_group of group {pg.group_name!r} "
+                         "(exclude it as well)")
         if deadline.expired():
             raise DistTimeoutError(
                 f"shrink_group of group {pg.group_name!r}: {_ranks(late)} did not call shrink_group within "
@@ -170,8 +174,13 @@ def _shrink_world(world: Any, remaining: list[int], excluded: list[int]) -> Proc
     new = api._World(world.generation, store, rank, len(remaining), world.backend, world.base_store, tag)
     new.shrinks = shrinks
     started = time.monotonic()
+
+    def check() -> None:  # a remaining rank that dies while the new world is made: name it now
+        old.check_members([old.ranks[r] for r in remaining],
+                          "shrinking the default group (shrink_group again, excluding it as well)")
+
     try:
-        pg = factory.shrunk_world(old, store, rank, remaining, old.timeout, world=new)
+        pg = factory.shrunk_world(old, WatchedStore(store, check), rank, remaining, old.timeout, world=new)
     except BaseException:
         api._close_all(new.resources[::-1])  # the old world stays as it was
         raise

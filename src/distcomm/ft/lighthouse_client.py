@@ -68,6 +68,9 @@ class LighthouseClient:
         self._waiting_reason = ""
         self._req = 0
         self.local_host: str = "127.0.0.1"
+        self.heartbeat_timeout: float | None = None  # the lighthouse's (said at registration)
+        self._last_beat = time.monotonic()  # when the heartbeat thread last ran
+        self._longest_silence = 0.0  # the longest gap between heartbeats since mark_silence()
         self._connect(Deadline(connect_timeout))
         self._reader = threading.Thread(target=self._read_loop, name="distcomm-ft-lighthouse", daemon=True)
         self._reader.start()
@@ -115,6 +118,8 @@ class LighthouseClient:
             sock.close()
             raise DistNetworkError(f"the lighthouse at {self.addr} answered {reply!r:.100}", addr=self.addr)
         self._check_heartbeat(sock, reply.get("heartbeat_timeout"))
+        if isinstance(reply.get("heartbeat_timeout"), (int, float)):
+            self.heartbeat_timeout = float(reply["heartbeat_timeout"])
         sock.settimeout(None)
         if self.epoch is not None and reply["epoch"] != self.epoch:
             log.warning("replica %s: the lighthouse at %s restarted (epoch %s -> %s)",
@@ -224,7 +229,26 @@ class LighthouseClient:
                 self._cv.wait(self.heartbeat_interval)
                 if self._closed:
                     return
+            self._note_beat()
             self._write({"op": "heartbeat", "step": self.step})
+
+    def _note_beat(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            self._longest_silence = max(self._longest_silence, now - self._last_beat)
+            self._last_beat = now
+
+    def mark_silence(self) -> None:
+        """Start measuring this process's longest silence towards the lighthouse afresh."""
+        with self._cv:
+            self._longest_silence = 0.0
+
+    def longest_silence(self) -> float:
+        """The longest time without a heartbeat since :meth:`mark_silence` (the current gap
+        included): a process frozen (SIGSTOP, swapped out) longer than the lighthouse's
+        heartbeat timeout may have been declared dead meanwhile, and its peers gone on."""
+        with self._cv:
+            return max(self._longest_silence, time.monotonic() - self._last_beat)
 
     # -- the public surface -------------------------------------------------------------
     def quorum(self, step: int, commit_id: str, address: dict, need_reconfigure: bool,

@@ -338,6 +338,8 @@ class Manager:
         with self._cond:
             self._phase = "quorum"
             self._cond.notify_all()
+        if isinstance(self._client, LighthouseClient):
+            self._client.mark_silence()
         seconds = self.quorum_timeout if timeout is None else to_seconds(timeout)
         fresh, self._fresh = self._fresh or not self.use_async_quorum, False
         self._future = self._executor.submit(self._run_quorum, seconds, fresh)
@@ -445,6 +447,18 @@ class Manager:
                 f"only {self._participants} replica(s) participate in step {self._step + 1}, fewer than "
                 f"min_replica_size={self.min_replica_size}: the step is discarded"))
         decision = self._vote()
+        if decision and isinstance(self._client, LighthouseClient):
+            # A replica frozen during the step (SIGSTOP, swapped out) longer than the heartbeat
+            # timeout was declared dead and its peers aborted the group and discarded the step,
+            # yet its own vote may finish with what they had posted before: it must not commit
+            # what they discarded (it is behind at the next quorum and heals instead).
+            silent, limit = self._client.longest_silence(), self._client.heartbeat_timeout
+            if limit is not None and silent >= limit:
+                self.report_error(DistBackendError(
+                    f"replica {self.replica_id} sent no heartbeat for {silent:.1f} s during step "
+                    f"{self._step + 1} (the lighthouse's heartbeat timeout is {limit:g} s): it may have "
+                    f"been declared dead and its peers discarded the step; discarded here too"))
+                decision = False
         if isinstance(self._client, ReplicaGroupClient):
             # every rank of this replica decides alike: rank i voted with rank i of the others
             try:
@@ -644,7 +658,7 @@ class Manager:
                 got_step, commit_id, tree = fetch_state(
                     _recovery_address(src, self.group_rank), step, src["commit_id"], self._staging.setdefault(
                         src["replica_id"], {}), timeout=self.timeout, allow_pickle=self.allow_pickle,
-                    transfer=transfer)
+                    transfer=transfer, requester=self._requester())
             except ChecksumError as e:
                 self.stats["checksum_failures"] += 1
                 log.warning("replica %s: %s; trying another peer", self.replica_id, e)
@@ -744,6 +758,13 @@ class Manager:
             self._serving -= 1
             self._cond.notify_all()
 
+    def _requester(self) -> dict:
+        """Who asks for a state transfer (the sender cuts it if the lighthouse declares us dead)."""
+        who = {"replica_id": self.replica_id}
+        if isinstance(self._client, LighthouseClient):
+            who["instance"] = self._client.instance
+        return who
+
     def _member_failed(self, note: dict) -> None:
         key = (note.get("epoch"), note.get("quorum_id"))
         self._failed_quorums.add(key)  # type: ignore[arg-type]
@@ -753,6 +774,12 @@ class Manager:
             while len(self._dead_members) > 16:  # only the current quorum's matter
                 del self._dead_members[next(iter(self._dead_members))]
             fetching = self._fetching
+        recovery = self._recovery
+        if recovery is not None and recovery.cut_transfers_to(*member):
+            # A healer declared dead (frozen mid-transfer) would hold this replica's next commit,
+            # which waits for the transfers in flight, until the send timed out (30 s).
+            log.warning("replica %s: state transfer to replica %s cut: the lighthouse declared it dead (%s)",
+                        self.replica_id, member[0], note.get("why"))
         if fetching is not None and fetching[:2] == member:
             # A frozen or cut-off sender (declared dead at the heartbeat timeout) would keep this
             # replica waiting for the whole transfer timeout, and the survivors with it.

@@ -170,7 +170,7 @@ class RecoveryServer:
         self._done = done
         self.allow_pickle = allow_pickle
         self.corrupt_next = 0  # tests: flip a byte in the next N transfers
-        self._conns: set[socket.socket] = set()  # transfers in flight
+        self._conns: dict[socket.socket, tuple[str, str]] = {}  # transfers in flight: to whom
         self._lock = threading.Lock()
         self._sock, self.address = listen(host)
         self._sock.settimeout(0.2)
@@ -189,6 +189,7 @@ class RecoveryServer:
                 conn.settimeout(30.0)
                 req = json.loads(readline(conn))
                 step, commit_id = int(req["step"]), str(req.get("commit_id", ""))
+                peer = (str(req.get("replica_id", "")), str(req.get("instance", "")))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.info("a state request could not be read: %s", e)
                 return
@@ -198,12 +199,12 @@ class RecoveryServer:
                 self._refuse(conn, e)
                 return
             with self._lock:
-                self._conns.add(conn)
+                self._conns[conn] = peer
             try:
                 self._send(conn, *snap)
             finally:
                 with self._lock:
-                    self._conns.discard(conn)
+                    self._conns.pop(conn, None)
                 if self._done is not None:
                     self._done()
 
@@ -254,6 +255,17 @@ class RecoveryServer:
             conns = list(self._conns)
         for conn in conns:
             shutdown_quietly(conn)
+
+    def cut_transfers_to(self, replica_id: str, instance: str = "") -> int:
+        """Break the transfers in flight to ``replica_id`` (that process instance, if both
+        sides know it): one declared dead may be frozen, and would hold this replica's next
+        commit until the send timed out.  Returns how many were cut."""
+        with self._lock:
+            conns = [c for c, (rid, inst) in self._conns.items()
+                     if rid == replica_id and (not instance or not inst or inst == instance)]
+        for conn in conns:
+            shutdown_quietly(conn)
+        return len(conns)
 
     def close(self) -> None:
         self._closed = True
@@ -320,7 +332,7 @@ def _connect(host: str, port: int, timeout: float, transfer: Transfer | None) ->
 
 def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.ndarray], *,
                 timeout: float = 30.0, allow_pickle: bool = False,
-                transfer: Transfer | None = None) -> tuple[int, str, Any]:
+                transfer: Transfer | None = None, requester: dict | None = None) -> tuple[int, str, Any]:
     """Fetch the state at ``step`` from the peer at ``address``; verified before returned.
 
     ``staging`` maps an array's position to the array it was last received
@@ -328,7 +340,7 @@ def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.n
     :class:`Transfer`) lets another thread abandon the fetch.
     """
     try:
-        return _fetch(address, step, commit_id, staging, timeout, allow_pickle, transfer)
+        return _fetch(address, step, commit_id, staging, timeout, allow_pickle, transfer, requester)
     except (DistNetworkError, OSError, ValueError) as e:
         why = transfer.abandoned if transfer is not None else None
         if why is None:
@@ -340,7 +352,8 @@ def fetch_state(address: str, step: int, commit_id: str, staging: dict[int, np.n
 
 
 def _fetch(address: str, step: int, commit_id: str, staging: dict[int, np.ndarray], timeout: float,
-           allow_pickle: bool, transfer: Transfer | None) -> tuple[int, str, Any]:
+           allow_pickle: bool, transfer: Transfer | None,
+           requester: dict | None = None) -> tuple[int, str, Any]:
     try:
         conn = _connect(*parse_host_port(address, "address"), timeout, transfer)
     except OSError as e:
@@ -348,7 +361,7 @@ def _fetch(address: str, step: int, commit_id: str, staging: dict[int, np.ndarra
     with conn:
         try:
             conn.settimeout(timeout)
-            conn.sendall(json.dumps({"step": step, "commit_id": commit_id}).encode() + b"\n")
+            conn.sendall(json.dumps({"step": step, "commit_id": commit_id, **(requester or {})}).encode() + b"\n")
             head = json.loads(readline(conn) or b"{}")
             if not head.get("ok"):
                 raise DistNetworkError(f"the peer at {address} cannot send its state: "

@@ -12,6 +12,7 @@ talks to it through a :class:`ReplicaGroupClient`, JSON lines over TCP::
                        {"op": "quorum", "round", "step", "commit_id", "address", "need_reconfigure",
                         "heal_first", "timeout"}
                        {"op": "vote", "round", "ok", "step"}
+                       {"op": "heartbeat"}            (every HEARTBEAT_INTERVAL)
                        {"op": "leave"}
     server -> client   {"op": "welcome"} | {"op": "refused", "error"}
                        {"op": "quorum", "round", "quorum"} | {"op": "error", "for", "round", "error", "kind"}
@@ -80,6 +81,12 @@ _KINDS: dict[str, type[DistError]] = {
 }
 
 
+#: How often a rank tells the server it is alive.
+HEARTBEAT_INTERVAL = 0.25
+#: A rank silent this long (frozen, cut off) counts as dead when the lighthouse does not say its timeout.
+DEFAULT_RANK_TIMEOUT = 2.0
+
+
 def server_key(replica_id: str) -> str:
     """The store key under which rank 0 publishes its server's address."""
     return f"__distcomm__/ft/replica/{replica_id}/server"
@@ -102,6 +109,7 @@ class _Rank:
         self.sock, self.rank, self.pid = sock, rank, pid
         self.lock = threading.Lock()
         self.left = False
+        self.last_heard = time.monotonic()
 
 
 class ReplicaGroupServer:
@@ -126,7 +134,8 @@ class ReplicaGroupServer:
         self._sock, self.address = listen(host)
         self._sock.settimeout(0.2)
         self._threads: list[threading.Thread] = []
-        for target, name in ((self._accept_loop, "accept"), (self._ask_loop, "quorum")):
+        for target, name in ((self._accept_loop, "accept"), (self._ask_loop, "quorum"),
+                             (self._watch_loop, "watch")):
             t = threading.Thread(target=target, name=f"distcomm-ft-replica-{name}", daemon=True)
             with self._lock:  # (the accept loop rewrites the list under it)
                 self._threads.append(t)
@@ -152,6 +161,7 @@ class ReplicaGroupServer:
                 line = rfile.readline()
                 if not line:
                     break
+                me.last_heard = time.monotonic()
                 msg = json.loads(line)
                 op = msg.get("op")
                 if op == "quorum":
@@ -185,6 +195,31 @@ class ReplicaGroupServer:
                               f"(pid {old.pid}); every rank needs its own rank number")
             me = self._ranks[rank] = _Rank(conn, rank, int(hello.get("pid", 0)))
         return me, ""
+
+    def _watch_loop(self) -> None:
+        """A rank that is alive but silent (frozen, cut off) would hold every replica's
+        collectives until their timeout: count it dead at the lighthouse's heartbeat timeout,
+        as the lighthouse does a one-process replica.  Silences are counted from the end of
+        this thread's own last gap: a server frozen with its ranks (the whole group stopped)
+        cannot tell who was silent, and the group then discards the step and heals as a
+        one-process replica does."""
+        since = last = time.monotonic()
+        while True:
+            time.sleep(0.1)
+            with self._lock:
+                if self._closed or self._broken is not None:
+                    return
+                ranks = list(self._ranks.values())
+            limit = getattr(self.lighthouse, "heartbeat_timeout", None) or DEFAULT_RANK_TIMEOUT
+            now = time.monotonic()
+            if now - last > 2 * HEARTBEAT_INTERVAL:  # this process was frozen (or starved) too
+                since = now
+            last = now
+            for r in ranks:
+                if not r.left and now - max(r.last_heard, since) > limit:
+                    self.broken(f"rank {r.rank} of replica {self.replica_id!r} (pid {r.pid}) sent nothing for "
+                                f"{now - r.last_heard:.1f} s (heartbeat timeout {limit:g} s): frozen or cut off")
+                    return
 
     def _gone(self, me: _Rank) -> None:
         with self._lock:
@@ -229,6 +264,13 @@ class ReplicaGroupServer:
 
     def _decide(self, rnd: int, votes: dict[int, dict]) -> None:
         ok = all(bool(v.get("ok")) for v in votes.values())
+        silent, limit = self.lighthouse.longest_silence(), self.lighthouse.heartbeat_timeout
+        if ok and limit is not None and silent >= limit:
+            # the group (its rank 0 at least) was frozen longer than the heartbeat timeout: the
+            # lighthouse may have declared it dead and the other replicas discarded the step
+            log.warning("replica %s: no heartbeat for %.1f s during the step (heartbeat timeout %g s): "
+                        "the step is discarded", self.replica_id, silent, limit)
+            ok = False
         if ok:
             self.lighthouse.step = max(int(v.get("step", 0)) for v in votes.values())
         self._to_all({"op": "decision", "round": rnd, "ok": ok})
@@ -239,6 +281,7 @@ class ReplicaGroupServer:
             if item is None:
                 return
             rnd, requests = item
+            self.lighthouse.mark_silence()  # a new step: its silences count from here
             try:
                 q = self.lighthouse.quorum(**combine(requests))
             except DistError as e:
@@ -357,6 +400,17 @@ class ReplicaGroupClient:
         self._reader = threading.Thread(target=self._read_loop, name="distcomm-ft-replica-client",
                                         daemon=True)
         self._reader.start()
+        self._beater = threading.Thread(target=self._heartbeat_loop, name="distcomm-ft-replica-heartbeat",
+                                        daemon=True)
+        self._beater.start()
+
+    def _heartbeat_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait(HEARTBEAT_INTERVAL)
+                if self._closed or self._broken is not None:
+                    return
+            _send(self._sock, self._wlock, {"op": "heartbeat"})
 
     def _connect(self, lookup: Callable[[float], str], deadline: Deadline) -> tuple[socket.socket, str]:
         last = "no address published"
@@ -488,8 +542,9 @@ class ReplicaGroupClient:
             self._cv.notify_all()
         _send(self._sock, self._wlock, {"op": "leave"})
         shutdown_quietly(self._sock)
-        if self._reader is not threading.current_thread():
-            self._reader.join(5.0)
+        for t in (self._reader, self._beater):
+            if t is not threading.current_thread():
+                t.join(5.0)
         self._rfile.close()
         self._sock.close()
 
