@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -569,3 +570,43 @@ def test_debugging_tools_follow_a_torch_default_group(tmp_path):
     dumps = sorted(tmp_path.rglob("rank*.json"))
     assert [p.name for p in dumps] == ["rank0.json", "rank1.json"], dumps
     assert all("all_reduce" in p.read_text() for p in dumps)
+
+
+_EXIT_IN_A_CALLBACK = """
+import os, sys, time, datetime
+import torch, torch.distributed as dist
+import distcomm.torch  # noqa: F401
+rank = int(os.environ["RANK"])
+dist.init_process_group("distcomm", timeout=datetime.timedelta(seconds=30))
+if rank == 1:
+    time.sleep(0.5)  # rank 0's future completes later, on a completion thread
+    dist.all_reduce(torch.ones(4))
+    time.sleep(2)
+    sys.exit(0)
+fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+fut.then(lambda f: (time.sleep(1.0), open(sys.argv[1], "w").close()))
+time.sleep(0.8)  # the completion thread is inside the callback, inside torch's future code
+sys.exit(3)  # no destroy_process_group: the interpreter finalizes
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_callback_running_as_the_program_exits_finishes_first(tmp_path):
+    """A future's callback that runs (on a completion thread, in torch's C++ future code) while
+    the program exits without destroy_process_group: the completion threads are let finish
+    at exit.  Cut off there, a daemon thread was ended inside C++ frames, which aborted the
+    process ('terminate called without an active exception', SIGABRT) in some runs."""
+    script = tmp_path / "exit_in_callback.py"
+    script.write_text(_EXIT_IN_A_CALLBACK)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"done{r}")],
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [3, 0], outs
+    assert (tmp_path / "done0").exists(), outs  # the callback ran to its end

@@ -15,8 +15,10 @@ collectives.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,6 +118,11 @@ def _one(tensors: Sequence[Any], what: str) -> Any:
     return tensors[0]
 
 
+#: Every live completer, stopped at interpreter exit (see :func:`_stop_completers_at_exit`).
+_completers: weakref.WeakSet[_Completer] = weakref.WeakSet()
+_exiting = False
+
+
 class _Completer:
     """Completes torch futures (running their callbacks) off the distcomm group's worker thread,
     each on an idle thread of its own, started when none is idle: a callback may issue another
@@ -130,8 +137,14 @@ class _Completer:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._stopped = False
+        _completers.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
+        if _exiting:
+            # The interpreter is finalizing: a daemon thread entering torch's C++ future code
+            # now is ended by pthread_exit while it holds C++ frames (std::terminate, SIGABRT).
+            # Nobody can wait for this future any more: drop the completion.
+            return
         with self._cv:
             if not self._stopped:
                 self._jobs.append(job)
@@ -170,6 +183,19 @@ class _Completer:
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout)
+
+
+def _stop_completers_at_exit() -> None:
+    """At exit (a script that raised without ``destroy_process_group``): let the completion
+    threads finish the callbacks they run and stop them, before the interpreter freezes daemon
+    threads, and drop completions submitted later (operations failing as the groups go)."""
+    global _exiting
+    _exiting = True
+    for c in list(_completers):
+        c.stop(timeout=2.0)
+
+
+atexit.register(_stop_completers_at_exit)
 
 
 class _Failed:
