@@ -15,6 +15,8 @@ import sys
 import textwrap
 
 import pytest
+import test_env_detect
+from test_env_detect import _PREFIXES
 
 from distcomm import rendezvous
 from distcomm.errors import DistRendezvousError
@@ -22,8 +24,7 @@ from distcomm.launch.environment import derived_port
 from distcomm.store import TCPStore
 from distcomm.testing import free_port
 
-_PREFIXES = ("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_",
-             "DISTCOMM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_")
+fake_env = test_env_detect.fake_env  # the fixture
 
 #: Open MPI's variables for rank 1 of 4 on one host, without a job id (Open MPI 4 and 5
 #: name the job in variables left out here: the port then derives from the launcher's pid).
@@ -31,21 +32,6 @@ OMPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
         "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
 
 
-@pytest.fixture
-def fake_env(monkeypatch):
-    """Clear every launcher variable (restored afterwards); return a setter."""
-    for name in list(os.environ):
-        if name.startswith(_PREFIXES):
-            monkeypatch.delenv(name)
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # rendezvous may set these: restore them
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-    def set_env(values: dict[str, str]) -> None:
-        for k, v in values.items():
-            monkeypatch.setenv(k, v)
-
-    return set_env
 
 
 #: Kept from this process's environment: where failing ranks dump, the shm directory.

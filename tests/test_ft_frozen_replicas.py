@@ -18,6 +18,7 @@ Every replica (rank) is a process running this file (``python this_file.py MODE 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,38 +55,45 @@ def _record(out, m, committed: bool, params: np.ndarray, **extra) -> None:
     out.flush()
 
 
+def _train_freezing(m, out, flags: str, rid: str, victim: str, together: int) -> None:
+    """Train to the target step; replica ``victim`` (all its ranks) stops itself right before
+    should_commit() once ``together`` replicas share a step (a paused VM, swapped out, ...),
+    and ends once it healed and committed again (the others go on to the target)."""
+    index = int(rid[1:])
+    params = np.zeros(together)
+    m.register_state_dict_fn("p", None, lambda: {"params": params})
+    froze = woke_committed = False
+    while m.current_step() < _target(flags):
+        m.start_quorum()
+        g = np.zeros(together)
+        g[index] = 1.0
+        time.sleep(0.02)
+        m.allreduce(g)
+        freeze = (rid == victim and not froze and m.current_step() + 1 >= FREEZE_STEP
+                  and m.num_participants() == together)
+        if freeze:
+            froze = True
+            out.write(json.dumps({"freezing": m.current_step() + 1, "t": time.time()}) + "\n")
+            out.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        committed = m.should_commit()
+        if committed:
+            params += g
+        _record(out, m, committed, params, after_freeze=freeze)
+        if froze and not freeze and committed:
+            woke_committed = True
+        if rid == victim and woke_committed:
+            return
+
+
 def vote_worker(rid: str, lighthouse: str, log: str, flags: str) -> int:
     """Test 1: r2 stops itself right before should_commit() once the three share a step."""
     from distcomm.ft import Manager
 
-    index = int(rid[1:])
-    params = np.zeros(3)
     m = Manager(rid, lighthouse, backend="shm", timeout=30, quorum_timeout=30)
-    m.register_state_dict_fn("p", None, lambda: {"params": params})
-    froze = woke_committed = False
     with open(log, "a") as out:
         try:
-            while m.current_step() < _target(flags):
-                m.start_quorum()
-                g = np.zeros(3)
-                g[index] = 1.0
-                time.sleep(0.02)
-                m.allreduce(g)
-                freeze = (rid == "r2" and not froze and m.current_step() + 1 >= FREEZE_STEP
-                          and m.num_participants() == 3)
-                if freeze:
-                    froze = True
-                    out.write(json.dumps({"freezing": m.current_step() + 1, "t": time.time()}) + "\n")
-                    out.flush()
-                    os.kill(os.getpid(), signal.SIGSTOP)  # frozen (paused VM, swapped out, ...)
-                committed = m.should_commit()
-                if committed:
-                    params += g
-                _record(out, m, committed, params, after_freeze=freeze)
-                if froze and not freeze and committed:
-                    woke_committed = True
-                if rid == "r2" and woke_committed:
-                    break  # healed and committed again: done (the others go on to the target)
+            _train_freezing(m, out, flags, rid, "r2", 3)
             return 0
         finally:
             m.shutdown()
@@ -163,35 +171,11 @@ def group_vote_worker(rid: str, rank: int, lighthouse: str, store: str, log: str
     """Test 1b: both ranks of r1 stop themselves right before should_commit() once r0 and r1 share a step."""
     from distcomm.ft import Manager
 
-    index = int(rid[1:])
-    params = np.zeros(2)
     m = Manager(rid, lighthouse, rank=rank, world_size=2, store=store, backend="shm", timeout=30,
                 quorum_timeout=30)
-    m.register_state_dict_fn("p", None, lambda: {"params": params})
-    froze = woke_committed = False
     with open(log, "a") as out:
         try:
-            while m.current_step() < _target(flags):
-                m.start_quorum()
-                g = np.zeros(2)
-                g[index] = 1.0
-                time.sleep(0.02)
-                m.allreduce(g)
-                freeze = (rid == "r1" and not froze and m.current_step() + 1 >= FREEZE_STEP
-                          and m.num_participants() == 2)
-                if freeze:  # the whole replica (a paused VM or container)
-                    froze = True
-                    out.write(json.dumps({"freezing": m.current_step() + 1, "t": time.time()}) + "\n")
-                    out.flush()
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                committed = m.should_commit()
-                if committed:
-                    params += g
-                _record(out, m, committed, params, after_freeze=freeze)
-                if froze and not freeze and committed:
-                    woke_committed = True
-                if rid == "r1" and woke_committed:
-                    break  # healed and committed again: done (r0 goes on to the target)
+            _train_freezing(m, out, flags, rid, "r1", 2)
             return 0
         except ReplicaGroupError as e:
             out.write(json.dumps({"broken": str(e), "t": time.time()}) + "\n")
@@ -314,46 +298,57 @@ def test_a_replica_frozen_before_its_vote_discards_the_step_its_peers_discarded(
     assert records["r2"][-1]["committed"], records["r2"][-3:]  # then it healed and trained on
 
 
-@pytest.mark.timeout(150)
-def test_a_replica_group_frozen_before_its_vote_discards_the_step_its_peers_discarded(tmp_path):
-    # Before, both ranks of r1 woke up, their votes completed with what r0 had posted before it
-    # gave up on r1, and r1 committed a step r0 had discarded and then committed without it.
-    flags = str(tmp_path)
+@contextlib.contextmanager
+def _two_replica_groups(tmp_path, mode: str):
+    """Replicas r0 and r1 of two ranks each (workers of ``mode``), r1 started once r0 trains
+    (min_replicas=1 lets r0 go on alone; no disjoint first quorums); yields the processes."""
     procs = _Procs(tmp_path)
     stores = {r: TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for r in ("r0", "r1")}
-    names = [f"{r}.{k}" for r in ("r0", "r1") for k in (0, 1)]
     try:
-        # min_replicas=1 lets r0 go on alone; r1 starts once r0 trains (no disjoint first quorums)
         with LighthouseThread(min_replicas=1, join_timeout=1, heartbeat_timeout=1) as lh:
             def start(rid: str) -> None:
                 for k in (0, 1):
-                    procs.start(f"{rid}.{k}", "group-vote", rid, str(k), lh.address,
-                                f"127.0.0.1:{stores[rid].port}", procs.log(f"{rid}.{k}"), flags)
+                    procs.start(f"{rid}.{k}", mode, rid, str(k), lh.address, f"127.0.0.1:{stores[rid].port}",
+                                procs.log(f"{rid}.{k}"), str(tmp_path))
 
             start("r0")
             _wait(lambda: all(_committed(_read(procs.log(f"r0.{k}"))) >= 2 for k in (0, 1)), 60, "r0 to train")
             start("r1")
-            r1 = [procs.procs[f"r1.{k}"] for k in (0, 1)]
-            _wait(lambda: all(_stopped(p) or p.poll() is not None for p in r1), 60, "r1 to freeze before its vote")
-            assert all(p.poll() is None for p in r1), (procs.stderr("r1.0"), procs.stderr("r1.1"))
-            freezing = [x for x in _read(procs.log("r1.0")) if "freezing" in x][0]["freezing"]
-            # r1 is declared dead, and r0 discards the step and commits it alone
-            _wait(lambda: all(any(x.get("committed") and x["step"] >= freezing and x["members"] == ["r0"]
-                                  for x in _read(procs.log(f"r0.{k}"))) for k in (0, 1)), 30,
-                  "r0 to commit without the frozen r1")
-            for p in r1:
-                os.kill(p.pid, signal.SIGCONT)
-            # it discards the step, heals and commits once more (exit 0); or, its server having
-            # heard nothing from its ranks for the heartbeat timeout, the group breaks (exit 3)
-            r1_codes = {k: p.wait(60) for k, p in enumerate(r1)}
-            assert r1_codes in ({0: 0, 1: 0}, {0: 3, 1: 3}), (r1_codes, procs.stderr("r1.0"), procs.stderr("r1.1"))
-            _set_target(flags, max(_committed(_read(procs.log(f"r0.{k}"))) for k in (0, 1)) + 3)
-            codes = {k: procs.procs[f"r0.{k}"].wait(60) for k in (0, 1)}
-            assert codes == {0: 0, 1: 0}, (codes, procs.stderr("r0.0"), procs.stderr("r0.1"))
+            yield procs
     finally:
         procs.close()
         for s in stores.values():
             s.close()
+
+
+def _r0_finishes(procs: _Procs, flags: str) -> None:
+    """Let both ranks of r0 train 3 more steps and end; they must end well."""
+    _set_target(flags, max(_committed(_read(procs.log(f"r0.{k}"))) for k in (0, 1)) + 3)
+    codes = {k: procs.procs[f"r0.{k}"].wait(60) for k in (0, 1)}
+    assert codes == {0: 0, 1: 0}, (codes, procs.stderr("r0.0"), procs.stderr("r0.1"))
+
+
+@pytest.mark.timeout(150)
+def test_a_replica_group_frozen_before_its_vote_discards_the_step_its_peers_discarded(tmp_path):
+    # Before, both ranks of r1 woke up, their votes completed with what r0 had posted before it
+    # gave up on r1, and r1 committed a step r0 had discarded and then committed without it.
+    names = [f"{r}.{k}" for r in ("r0", "r1") for k in (0, 1)]
+    with _two_replica_groups(tmp_path, "group-vote") as procs:
+        r1 = [procs.procs[f"r1.{k}"] for k in (0, 1)]
+        _wait(lambda: all(_stopped(p) or p.poll() is not None for p in r1), 60, "r1 to freeze before its vote")
+        assert all(p.poll() is None for p in r1), (procs.stderr("r1.0"), procs.stderr("r1.1"))
+        freezing = [x for x in _read(procs.log("r1.0")) if "freezing" in x][0]["freezing"]
+        # r1 is declared dead, and r0 discards the step and commits it alone
+        _wait(lambda: all(any(x.get("committed") and x["step"] >= freezing and x["members"] == ["r0"]
+                              for x in _read(procs.log(f"r0.{k}"))) for k in (0, 1)), 30,
+              "r0 to commit without the frozen r1")
+        for p in r1:
+            os.kill(p.pid, signal.SIGCONT)
+        # it discards the step, heals and commits once more (exit 0); or, its server having
+        # heard nothing from its ranks for the heartbeat timeout, the group breaks (exit 3)
+        r1_codes = {k: p.wait(60) for k, p in enumerate(r1)}
+        assert r1_codes in ({0: 0, 1: 0}, {0: 3, 1: 3}), (r1_codes, procs.stderr("r1.0"), procs.stderr("r1.1"))
+        _r0_finishes(procs, str(tmp_path))
     records = {n: _read(procs.log(n)) for n in names}
     for k in (0, 1):
         woke = [x for x in records[f"r1.{k}"] if x.get("after_freeze")]
@@ -402,42 +397,23 @@ def test_survivors_go_on_while_a_healing_replica_is_frozen_mid_transfer(tmp_path
 def test_a_frozen_rank_of_a_replica_group_breaks_its_replica_at_the_heartbeat_timeout(tmp_path):
     # Before, nothing noticed rank 1 of r1 frozen (rank 0 heartbeats for the replica) until the
     # collectives timed out (60 s here): both replicas stood still until then.
-    flags = str(tmp_path)
-    procs = _Procs(tmp_path)
-    stores = {r: TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for r in ("r0", "r1")}
     names = [f"{r}.{k}" for r in ("r0", "r1") for k in (0, 1)]
-    try:
-        # min_replicas=1 lets r0 go on alone; r1 starts once r0 trains (no disjoint first quorums)
-        with LighthouseThread(min_replicas=1, join_timeout=1, heartbeat_timeout=1) as lh:
-            def start(rid: str) -> None:
-                for k in (0, 1):
-                    procs.start(f"{rid}.{k}", "group", rid, str(k), lh.address, f"127.0.0.1:{stores[rid].port}",
-                                procs.log(f"{rid}.{k}"), flags)
-
-            start("r0")
-            _wait(lambda: all(_committed(_read(procs.log(f"r0.{k}"))) >= 2 for k in (0, 1)), 60, "r0 to train")
-            start("r1")
-            _wait(lambda: all(any(x.get("committed") and x["members"] == ["r0", "r1"]
-                                  for x in _read(procs.log(n))) for n in names), 60, "r0 and r1 to train together")
-            frozen = time.time()
-            os.kill(procs.procs["r1.1"].pid, signal.SIGSTOP)
-            # r1's rank 0 gives up on its silent rank 1 and leaves, by itself, naming it
-            _wait(lambda: procs.procs["r1.0"].poll() is not None, 20,
-                  "r1's rank 0 to give up on its frozen rank 1 (the collective timeout is 60 s)")
-            assert procs.procs["r1.0"].returncode == 3, procs.stderr("r1.0")
-            broken = [x for x in _read(procs.log("r1.0")) if "broken" in x]
-            assert broken and "rank 1 of replica 'r1'" in broken[-1]["broken"], broken
-            # r0 (both ranks) commits alone while r1's rank 1 is still frozen
-            _wait(lambda: all(any(x.get("committed") and x["members"] == ["r0"] and x["t"] > frozen
-                                  for x in _read(procs.log(f"r0.{k}"))) for k in (0, 1)), 20, "r0 to commit alone")
-            assert _stopped(procs.procs["r1.1"])
-            _set_target(flags, max(_committed(_read(procs.log(f"r0.{k}"))) for k in (0, 1)) + 3)
-            codes = {k: procs.procs[f"r0.{k}"].wait(60) for k in (0, 1)}
-            assert codes == {0: 0, 1: 0}, (codes, procs.stderr("r0.0"), procs.stderr("r0.1"))
-    finally:
-        procs.close()
-        for s in stores.values():
-            s.close()
+    with _two_replica_groups(tmp_path, "group") as procs:
+        _wait(lambda: all(any(x.get("committed") and x["members"] == ["r0", "r1"]
+                              for x in _read(procs.log(n))) for n in names), 60, "r0 and r1 to train together")
+        frozen = time.time()
+        os.kill(procs.procs["r1.1"].pid, signal.SIGSTOP)
+        # r1's rank 0 gives up on its silent rank 1 and leaves, by itself, naming it
+        _wait(lambda: procs.procs["r1.0"].poll() is not None, 20,
+              "r1's rank 0 to give up on its frozen rank 1 (the collective timeout is 60 s)")
+        assert procs.procs["r1.0"].returncode == 3, procs.stderr("r1.0")
+        broken = [x for x in _read(procs.log("r1.0")) if "broken" in x]
+        assert broken and "rank 1 of replica 'r1'" in broken[-1]["broken"], broken
+        # r0 (both ranks) commits alone while r1's rank 1 is still frozen
+        _wait(lambda: all(any(x.get("committed") and x["members"] == ["r0"] and x["t"] > frozen
+                              for x in _read(procs.log(f"r0.{k}"))) for k in (0, 1)), 20, "r0 to commit alone")
+        assert _stopped(procs.procs["r1.1"])
+        _r0_finishes(procs, str(tmp_path))
     for k in (0, 1):  # rank k of both replicas: no step committed two ways
         _no_step_committed_two_ways({r: _read(procs.log(f"{r}.{k}")) for r in ("r0", "r1")})
 
