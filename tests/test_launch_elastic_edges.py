@@ -60,10 +60,11 @@ def launchers(monkeypatch):
 
 
 def _start(launchers: list, tmp: Path, name: str, endpoint: str, rdzv_id: str, *flags: str,
-           **env: str) -> subprocess.Popen:
+           worker: str = WORKER, **env: str) -> subprocess.Popen:
+    """A launcher of one node of job ``rdzv_id`` running ``worker`` (a program's text)."""
     prog = tmp / "worker.py"
     if not prog.exists():
-        prog.write_text(textwrap.dedent(WORKER))
+        prog.write_text(textwrap.dedent(worker))
     p = subprocess.Popen(
         [*RUN, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
          "--monitor-interval", "0.2", *flags, str(prog), str(tmp)],

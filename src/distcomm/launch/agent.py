@@ -241,6 +241,8 @@ class Agent:
             raise LaunchError(f"the job's store failed: {e}") from None
         self.rdzv.interrupted = lambda: self.signum is not None
         self.rdzv.say = _say
+        self.rdzv.info["hosting"] = self.hosting  # (a round with such a member is alive with the store)
+        self.rdzv.info["beat_every"] = max(BEAT_EVERY, self.cfg.monitor_interval)
         while True:
             self.store.set_timeout(self.cfg.join_timeout)
             try:
@@ -565,6 +567,9 @@ class Agent:
         """Watch the workers of round ``m``; return an exit status, or None to rejoin."""
         cfg = self.cfg
         multi = cfg.nnodes[1] > 1
+        # A one-node job on a store it does not host (an --rdzv-endpoint other jobs share) beats
+        # too: a launcher of this --rdzv-id started later must tell a running job from a dead one.
+        multi = multi or not self.hosting
         poll_all = any(w.pidfd is None for w in self.workers)
         next_check = time.monotonic() + cfg.monitor_interval
         while True:
@@ -604,8 +609,11 @@ class Agent:
         except (DistStoreTimeoutError, DistConnectTimeoutError) as e:
             self._store_silent(e)
             return default
-        except DistError:
+        except DistError as e:
             self.store_lost = True
+            if not self.hosting:
+                _say(f"the job's store is gone ({e}); going on without it: the workers run on, "
+                     "but those that still need it will fail, and no restart is possible")
             return default
         if self.store_silent_since is not None:
             self.store_silent_since = None
@@ -689,10 +697,11 @@ class Agent:
         # Ranks that had left (code 0) before: a peer waiting for them waits in vain.
         gone = [x.spec.rank for x in self.workers if x is not w and x.returncode == 0 and not x.stopped_by_us]
         self._release(w)  # its last output first, then our report
+        said = bool(others) or self.restarts < self.cfg.max_restarts  # (else the report says it)
         if others:
             _say(f"{what}; stopping the other {others} worker{'s' if others != 1 else ''}")
-        elif self.restarts < self.cfg.max_restarts or self.cfg.nnodes[1] > 1:
-            _say(what)  # (else the report below says it)
+        elif said:
+            _say(what)
         if code < 0:  # killed: it said nothing; the others may say what they saw of it
             self._await_exits([x for x in self.workers if x.returncode is None], NOTICE_GRACE)
         self._stop_workers(signal.SIGTERM, self.cfg.shutdown_timeout)
@@ -707,8 +716,10 @@ class Agent:
             if outcome == 1 and own:
                 other = self.other_abort
             elif outcome != "":
+                if not said:  # (no report follows)
+                    _say(what)
                 return outcome
-        if other is None and self.restarts < self.cfg.max_restarts:
+        if other is None and self.restarts < self.cfg.max_restarts and not self.store_lost:
             self.restarts += 1
             self.attempt += 1
             _say(f"restarting the workers (restart {self.restarts} of {self.cfg.max_restarts})")
@@ -717,6 +728,8 @@ class Agent:
         tail = w.stderr.tail_text()
         if other is not None:
             report = [f"{what}; another node gave up too (its failure may follow from this one): {other}"]
+        elif self.store_lost and self.restarts < self.cfg.max_restarts:
+            report = [f"{what}; the job's store is gone, so the workers cannot restart"]
         else:
             report = [f"{what}; no restarts left (--max-restarts {self.cfg.max_restarts})"]
         first = self._first_error(w, noticed)

@@ -44,6 +44,9 @@ __all__ = ["Membership", "NodeRendezvous", "RendezvousFailed", "rdzv_namespace"]
 
 #: Seconds between store polls while waiting for a round to close.
 POLL = 0.02
+#: Seconds without a beat from any launcher of a full running round (none hosting the store)
+#: after which a newcomer takes the round for dead (its launchers were killed) and starts the next.
+STALE_AFTER = 15.0
 #: A launcher waiting this long for other nodes says so, and again every NOTE_EVERY seconds.
 NOTE_AFTER = 10.0
 NOTE_EVERY = 30.0
@@ -89,6 +92,7 @@ class NodeRendezvous:
         self.interrupted = lambda: False  # set by the agent: True aborts waiting
         self.say: Callable[[str], None] = lambda message: None  # set by the agent: progress notes
         self._failed_round: int | None = None
+        self._beats_seen: tuple[tuple, float] | None = None  # (round, beat counts), when first seen
 
     # -- small store helpers ------------------------------------------------
     def _k(self, rnd: int, name: str) -> str:
@@ -164,6 +168,10 @@ class NodeRendezvous:
                 # Every node of that round succeeded: a job with this --rdzv-id ran to its end
                 # on this store (which outlived it: another job's launcher hosts it).
                 ended = finishing and not waiting
+                # A full round whose launchers were all killed (on a store another job hosts)
+                # would keep this id from running again: start the next one.
+                stale = (full and closed is not None and not finishing and int(closed) >= self.max
+                         and self._stale(rnd, int(closed)))
             except DistError as e:
                 if not full:
                     raise
@@ -171,6 +179,11 @@ class NodeRendezvous:
                     f"the job ended while this launcher waited for its running round to end "
                     f"({e})") from None
             if ended:  # start this id's next run rather than wait for room for ever
+                self.next_round(rnd)
+                continue
+            if stale:
+                self.say(f"the running round of this job has no live launcher (none reported for "
+                         f"{STALE_AFTER:g} s: killed?); starting a new one")
                 self.next_round(rnd)
                 continue
             if closed is not None:  # running: ask for a new round if there is room
@@ -199,6 +212,21 @@ class NodeRendezvous:
                 raise
             if members is not None:
                 return members
+
+    def _stale(self, rnd: int, n: int) -> bool:
+        """Whether round ``rnd`` (closed with ``n`` nodes) runs without any live launcher: none
+        of them hosts the store, and their beats did not change for :data:`STALE_AFTER` s."""
+        nodes = self._nodes(rnd, 0, n)
+        if any(node.get("hosting") for node in nodes):
+            return False
+        # (a launcher beats once per --monitor-interval at most: a long one is not a dead one)
+        limit = max([STALE_AFTER] + [3.0 * float(node.get("beat_every") or 0) for node in nodes])
+        key = (rnd, tuple(self.beats(rnd, list(range(n)))))
+        now = time.monotonic()
+        if self._beats_seen is None or self._beats_seen[0] != key:
+            self._beats_seen = (key, now)
+            return False
+        return now - self._beats_seen[1] >= limit
 
     def _withdraw(self, rnd: int) -> None:
         """This launcher leaves while in round ``rnd``: move the job to the next round, so

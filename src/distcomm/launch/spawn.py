@@ -51,23 +51,63 @@ class ProcessExitedException(ProcessException):
     signal_name: Any = None
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (from /proc), or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _watch_caller(pid: int) -> None:
+    """SIGKILL this process when ``pid`` ends: a caller that is not our parent (the fork
+    server is), which the parent-death signal cannot tie us to (the server itself lives
+    on while its children do: they hold its liveness pipe)."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        os._exit(1)
+    except (AttributeError, OSError):  # old kernel or Python: best effort
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once ``pid`` exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="distcomm-spawn-caller-watch", daemon=True).start()
+
+
+def _die_with_parent(parent_pid: int, via_server: bool = False) -> None:
     """Ask Linux to SIGKILL this process when ``parent_pid`` dies; exit at once if it
-    already has (it may die before a child that starts slowly gets here)."""
+    already has (it may die before a child that starts slowly gets here).
+
+    With ``via_server`` (start method ``"forkserver"``) this process's parent is the
+    fork server, itself a child of the caller: the caller must be the server's parent,
+    and a thread watches it (:func:`_watch_caller`)."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # not Linux: best effort
         pass
-    if os.getppid() != parent_pid:  # the caller died before prctl took effect
-        os._exit(1)
+    ppid = os.getppid()
+    if ppid == parent_pid:
+        return
+    if via_server and _parent_of(ppid) == parent_pid:
+        _watch_caller(parent_pid)
+        return
+    os._exit(1)  # the caller died before prctl took effect
 
 
 def _child(
-    fn: Callable, i: int, args: tuple, env: dict[str, str], conn: Any, parent_pid: int
+    fn: Callable, i: int, args: tuple, env: dict[str, str], conn: Any, parent_pid: int,
+    via_server: bool = False,
 ) -> None:
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, via_server)
     for name in _DROPPED:
         os.environ.pop(name, None)
     os.environ.update(env)
@@ -75,8 +115,12 @@ def _child(
         fn(i, *args)
     except KeyboardInterrupt:
         pass  # the caller is stopping us
-    except Exception:
-        conn.send(traceback.format_exc())
+    except Exception as e:
+        # (the summary: the exception and its message's first line, not the traceback's last, the
+        # last line of a multi-line message or a note)
+        text = str(e).strip()
+        summary = f"{type(e).__qualname__}: {text.splitlines()[0][:500]}" if text else type(e).__qualname__
+        conn.send((summary, traceback.format_exc()))
         conn.close()
         sys.exit(1)
 
@@ -89,6 +133,11 @@ class ProcessContext:
         self._readers = readers
         self._store = store
         self._sentinels = {p.sentinel: i for i, p in enumerate(processes)}
+        # Readers still open: a child's traceback is read as it comes, not after the child
+        # exited (one larger than the pipe's buffer blocks the child in send() until read).
+        self._unread = {r: i for i, r in enumerate(readers)}
+        self._texts: dict[int, tuple[str, str]] = {}  # a child's (summary, traceback)
+        self._raised: ProcessException | None = None
         self._closed = False
 
     def pids(self) -> list[int]:
@@ -101,18 +150,33 @@ class ProcessContext:
         still running; raises :class:`ProcessException` (after stopping the
         others) when one failed.
         """
+        import time
         from multiprocessing import connection
 
+        if self._raised is not None:  # (a failure is not forgotten by a later join)
+            raise self._raised
         if not self._sentinels:
             self._close()
             return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         failed = None
-        for sentinel in connection.wait(list(self._sentinels), timeout=timeout):
-            i = self._sentinels.pop(sentinel)
-            self.processes[i].join()
-            if self.processes[i].exitcode != 0:
-                failed = i
+        ended = False
+        while not ended:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = connection.wait([*self._sentinels, *self._unread], timeout=left)
+            if not ready:
                 break
+            for obj in ready:
+                if obj in self._unread:
+                    self._read(obj)
+            for obj in ready:
+                if obj in self._sentinels:
+                    ended = True
+                    i = self._sentinels.pop(obj)
+                    self.processes[i].join()
+                    if self.processes[i].exitcode != 0:
+                        failed = i
+                        break
         if failed is None:
             if self._sentinels:
                 return False
@@ -120,8 +184,17 @@ class ProcessContext:
             return True
         self._stop(GRACE_PERIOD if grace_period is None else grace_period)
         error = self._error(failed)
+        self._raised = error
         self._close()
         raise error
+
+    def _read(self, reader: Any) -> None:
+        """Take what a child sent (its traceback), or note that it closed without a word."""
+        i = self._unread.pop(reader)
+        try:
+            self._texts[i] = reader.recv()
+        except (EOFError, OSError):
+            pass
 
     def _stop(self, grace: float) -> None:
         from multiprocessing import connection
@@ -139,16 +212,17 @@ class ProcessContext:
     def _error(self, i: int) -> ProcessException:
         p, reader = self.processes[i], self._readers[i]
         n = len(self.processes)
-        text = None
-        try:
-            if reader.poll():
-                text = reader.recv()
-        except (EOFError, OSError):
-            text = None
-        if text is not None:
-            last = text.rstrip().splitlines()[-1] if text.strip() else "an exception"
+        sent = self._texts.get(i)
+        if sent is None and reader in self._unread:
+            try:
+                if reader.poll():
+                    sent = reader.recv()
+            except (EOFError, OSError):
+                sent = None
+        if sent is not None:
+            summary, text = sent
             return ProcessRaisedException(
-                f"process {i} of {n} (pid {p.pid}) raised {last}\n\n"
+                f"process {i} of {n} (pid {p.pid}) raised {summary}\n\n"
                 f"-- traceback of process {i}:\n{text.rstrip()}",
                 rank=i, error_index=i, pid=p.pid,
             )
@@ -219,7 +293,8 @@ def spawn(
             env = {k: str(v) for k, v in {**common, "RANK": i, "LOCAL_RANK": i}.items()}
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_child, args=(fn, i, args, env, writer, os.getpid()), daemon=daemon
+                target=_child, args=(fn, i, args, env, writer, os.getpid(), start_method == "forkserver"),
+                daemon=daemon
             )
             p.start()
             writer.close()
@@ -239,7 +314,9 @@ def spawn(
     try:
         while not context.join():
             pass
-    except KeyboardInterrupt:
+    except ProcessException:
+        raise  # (join stopped the others already)
+    except BaseException:  # Ctrl-C, or SystemExit from a signal handler of the caller's
         context._stop(GRACE_PERIOD)
         context._close()
         raise

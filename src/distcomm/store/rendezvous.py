@@ -254,11 +254,20 @@ def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int, str]:
     return rank, size, addr, port, info.source if derived and info is not None else "MASTER_PORT"
 
 
+class _AgentStoreClient(TCPStore):
+    """A client of the store of the launcher (or spawn's caller) that started this process."""
+
+    _SERVER_UP_BEFORE = True
+
+
 def _env_handler(url: str, timeout: Timeout = DEFAULT_STORE_TIMEOUT, **_: object):
     query = dict(parse_qsl(urlparse(url).query))
     rank, size, addr, port, port_from = _env_settings(query)
     if _agent_store(os.environ):
-        store = TCPStore(addr, port, None, False, timeout)
+        # The launcher (or spawn's caller) had its store up before starting this process: a
+        # refused connection means its host is gone, not that it is still starting (waiting
+        # would last the whole timeout, 30 minutes by default, in silence).
+        store = _AgentStoreClient(addr, port, None, False, timeout)
         prefix = os.environ.get("DISTCOMM_STORE_PREFIX")
         yield (_LauncherStore(prefix, store) if prefix else store), rank, size
         return

@@ -91,6 +91,11 @@ class TCPStore(Store):
     it leaves the server running).
     """
 
+    #: Whether the server is known to be up before this client connects (a launcher's store,
+    #: for its workers): then a refused first connection fails fast too (its host is gone),
+    #: as a refused reconnection does, instead of being retried until the timeout.
+    _SERVER_UP_BEFORE = False
+
     def __init__(
         self,
         host_name: str,
@@ -114,7 +119,8 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._tenant_port: int | None = None
         self._sock: socket.socket | None = None
-        self._connected_once = False  # then refused reconnects fail fast (the server is gone)
+        # Then refused (re)connects fail fast: the server is gone (see _SERVER_UP_BEFORE).
+        self._connected_once = self._SERVER_UP_BEFORE
         self._fork_gen = _fork_generation[0]
         self._lock = threading.Lock()
         self._close_lock = threading.Lock()
@@ -236,7 +242,7 @@ class TCPStore(Store):
                     if now - refused_since >= RECONNECT_REFUSED_GIVE_UP:
                         raise DistNetworkError(
                             f"the store at {addr} refuses connections (for {now - refused_since:.1f} s, "
-                            "after this client had been connected): its server is gone, the process "
+                            "after it had been up): its server is gone, the process "
                             "that hosted it exited or closed it",
                             addr=addr,
                         ) from e
