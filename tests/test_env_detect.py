@@ -245,6 +245,22 @@ def test_a_derived_port_someone_holds_says_where_it_came_from(fake_env):
     assert f"port {port} is derived from the job id Slurm gave" in text and "set MASTER_PORT" in text, text
 
 
+def test_workers_a_program_started_beneath_a_one_process_launcher_keep_their_world(fake_env):
+    """srun -n 1 (or mpirun -n 1) running a program that starts 4 workers itself, giving each
+    RANK and WORLD_SIZE (as torch's env:// allows): a larger world than the launcher's is the
+    program's own, not a left-over."""
+    from distcomm import TCPStore
+
+    with TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) as master:  # (worker 0's)
+        env = {**SLURM, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1",
+               "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(master.port), "WORLD_SIZE": "4", "RANK": "2"}
+        fake_env(env)
+        store, rank, size = next(rendezvous("env://", timeout=10))
+        store.close()
+    assert (rank, size) == (2, 4)
+
+
 def test_the_url_overrides_the_launcher_on_purpose(fake_env):
     port = free_port()
     fake_env({**SLURM, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1"})

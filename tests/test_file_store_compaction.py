@@ -121,3 +121,36 @@ def test_a_forked_child_follows_the_log_its_parent_compacted_after_the_fork(smal
     child.join(30)
     assert child.exitcode == 0
     store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_compaction_that_cannot_write_leaves_the_store_working(small_log, monkeypatch):
+    """A compaction is best effort (the write that triggered it has landed): a rename that
+    fails (a full disk, a directory this user cannot write in) keeps the log as it is, and
+    every write goes on working."""
+    real_rename = os.rename
+
+    def failing_rename(src, dst, *args, **kwargs):
+        if ".compact-" in str(src):
+            raise OSError(28, "No space left on device")
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    store = FileStore(small_log)
+    for i in range(600):
+        store.set("churn", b"x" * 100 + b"%d" % i)  # every write would compact
+    assert store.get("churn") == b"x" * 100 + b"599"
+    assert os.path.getsize(small_log) > 4 * SMALL  # nothing compacted
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_compacted_file_keeps_the_mode_it_was_shared_with(small_log):
+    store = FileStore(small_log)
+    os.chmod(small_log, 0o660)  # shared with a group on purpose
+    inode = os.stat(small_log).st_ino
+    for i in range(300):
+        store.set("churn", b"z" * 100 + b"%d" % i)
+    assert os.stat(small_log).st_ino != inode  # compacted (a new file)
+    assert oct(os.stat(small_log).st_mode & 0o777) == oct(0o660)
+    store.close()

@@ -271,3 +271,29 @@ def test_a_transfer_from_a_frozen_peer_is_abandoned_when_the_lighthouse_declares
     assert failed and "the lighthouse declared replica r0 dead" in failed[0], r2["recovery"]
     assert any("recovered step" in line and "from r1" in line for line in r2["recovery"]), r2["recovery"]
     assert r2["heal_seconds"][0] < 20 / 2, r2  # well before the Manager's timeout
+
+
+@pytest.mark.timeout(60)
+def test_a_lighthouse_that_comes_up_late_costs_the_first_step_nothing():
+    """The replica starts first and waits for the lighthouse longer than its heartbeat timeout:
+    that wait is no silence of a frozen replica, and the first step commits."""
+    from distcomm.testing import free_port
+
+    port = free_port()
+    late: list = []
+
+    def start_later() -> None:
+        time.sleep(2.5)
+        late.append(LighthouseThread(f"127.0.0.1:{port}", min_replicas=1, heartbeat_timeout=1.0))
+
+    starter = threading.Thread(target=start_later)
+    starter.start()
+    m = Manager("r0", f"127.0.0.1:{port}", connect_timeout=20, min_replica_size=1, timeout=10)
+    try:
+        m.start_quorum()
+        assert m.should_commit(), m.errored()
+    finally:
+        m.shutdown()
+        starter.join()
+        for lh in late:
+            lh.shutdown()

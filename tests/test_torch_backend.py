@@ -590,16 +590,31 @@ sys.exit(3)  # no destroy_process_group: the interpreter finalizes
 """
 
 
-@pytest.mark.timeout(90)
-def test_a_callback_running_as_the_program_exits_finishes_first(tmp_path):
-    """A future's callback that runs (on a completion thread, in torch's C++ future code) while
-    the program exits without destroy_process_group: the completion threads are let finish
-    at exit.  Cut off there, a daemon thread was ended inside C++ frames, which aborted the
-    process ('terminate called without an active exception', SIGABRT) in some runs."""
-    script = tmp_path / "exit_in_callback.py"
-    script.write_text(_EXIT_IN_A_CALLBACK)
+_COLLECTIVE_AT_EXIT = """
+import atexit, os, sys, time
+import torch, torch.distributed as dist
+rank = int(os.environ["RANK"])
+
+def final_sync():  # registered before distcomm.torch is imported: runs after its exit handler
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's all_reduce is still running when its Work is made
+    t = torch.ones(1)
+    dist.all_reduce(t, async_op=True).wait()
+    print(f"final all_reduce: {t.item():g}", flush=True)
+    dist.destroy_process_group()
+
+atexit.register(final_sync)
+import distcomm.torch  # noqa: E402,F401
+dist.init_process_group("distcomm")
+"""
+
+
+def _two_torch_ranks(tmp_path, code: str, *args: str) -> list[tuple[int, str, str]]:
+    """Run ``code`` as ranks 0 and 1 of a job (torchrun's variables); their codes and output."""
+    script = tmp_path / "prog.py"
+    script.write_text(code)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"done{r}")],
+    procs = [subprocess.Popen([sys.executable, str(script), *(a.format(rank=r) for a in args)],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
@@ -608,5 +623,24 @@ def test_a_callback_running_as_the_program_exits_finishes_first(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [3, 0], outs
-    assert (tmp_path / "done0").exists(), outs  # the callback ran to its end
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+@pytest.mark.timeout(90)
+def test_a_collective_in_an_exit_handler_completes(tmp_path):
+    """An exit handler that runs after distcomm.torch's own (registered earlier) can still
+    wait for an async collective: its completion is not dropped before the interpreter
+    finalizes."""
+    results = _two_torch_ranks(tmp_path, _COLLECTIVE_AT_EXIT)
+    assert [(code, out) for code, out, _ in results] == [(0, "final all_reduce: 2\n")] * 2, results
+
+
+@pytest.mark.timeout(90)
+def test_a_callback_running_as_the_program_exits_finishes_first(tmp_path):
+    """A future's callback that runs (on a completion thread, in torch's C++ future code) while
+    the program exits without destroy_process_group: the completion threads are let finish
+    at exit.  Cut off there, a daemon thread was ended inside C++ frames, which aborted the
+    process ('terminate called without an active exception', SIGABRT) in some runs."""
+    results = _two_torch_ranks(tmp_path, _EXIT_IN_A_CALLBACK, str(tmp_path / "done{rank}"))
+    assert [code for code, _, _ in results] == [3, 0], results
+    assert (tmp_path / "done0").exists(), results  # the callback ran to its end

@@ -175,15 +175,21 @@ def _shrink_world(world: Any, remaining: list[int], excluded: list[int]) -> Proc
     new.shrinks = shrinks
     started = time.monotonic()
 
+    # (the new world keeps the store: its later waits are not the shrink's, nor is the old group kept)
+    watching = [old]
+
     def check() -> None:  # a remaining rank that dies while the new world is made: name it now
-        old.check_members([old.ranks[r] for r in remaining],
-                          "shrinking the default group (shrink_group again, excluding it as well)")
+        for g in watching:
+            g.check_members([g.ranks[r] for r in remaining],
+                            "shrinking the default group (shrink_group again, excluding it as well)")
 
     try:
         pg = factory.shrunk_world(old, WatchedStore(store, check), rank, remaining, old.timeout, world=new)
     except BaseException:
         api._close_all(new.resources[::-1])  # the old world stays as it was
         raise
+    finally:
+        watching.clear()
     pg.group_name = f"{tag}:default"
     pg.backend_name = world.backend  # the name it was made with ("gloo" stays "gloo")
     if world.owned_store is not None:

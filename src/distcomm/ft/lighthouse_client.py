@@ -72,6 +72,7 @@ class LighthouseClient:
         self._last_beat = time.monotonic()  # when the heartbeat thread last ran
         self._longest_silence = 0.0  # the longest gap between heartbeats since mark_silence()
         self._connect(Deadline(connect_timeout))
+        self._last_beat = time.monotonic()  # (the wait for the lighthouse to come up is no silence)
         self._reader = threading.Thread(target=self._read_loop, name="distcomm-ft-lighthouse", daemon=True)
         self._reader.start()
         self._beater = threading.Thread(target=self._heartbeat_loop, name="distcomm-ft-heartbeat",

@@ -697,7 +697,8 @@ class Agent:
         # Ranks that had left (code 0) before: a peer waiting for them waits in vain.
         gone = [x.spec.rank for x in self.workers if x is not w and x.returncode == 0 and not x.stopped_by_us]
         self._release(w)  # its last output first, then our report
-        said = bool(others) or self.restarts < self.cfg.max_restarts  # (else the report says it)
+        # (else the report says it)
+        said = bool(others) or (self.restarts < self.cfg.max_restarts and not self.store_lost)
         if others:
             _say(f"{what}; stopping the other {others} worker{'s' if others != 1 else ''}")
         elif said:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import struct
 import threading
 import time
@@ -476,13 +477,22 @@ class FileStore(Store):
         if self._offset < self._next_compact:
             return None
         tmp = f"{self._path}.compact-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        new = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:  # (best effort: the operation that got here has landed already)
+            new = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError:  # a directory this user cannot write in, a full disk: keep the log
+            self._next_compact = 2 * self._offset
+            return None
         try:
             try:
+                os.fchmod(new, stat.S_IMODE(os.fstat(fd).st_mode))  # (a file shared on purpose stays so)
                 _pwrite_all(new, MAGIC + body, 0)
                 os.rename(tmp, self._path)
-            except BaseException:
+            except BaseException as e:
                 os.unlink(tmp)
+                if isinstance(e, OSError):
+                    os.close(new)
+                    self._next_compact = 2 * self._offset
+                    return None
                 raise
             # (other instances now open the new file; those that have the old one follow MOVED)
             self._commit(fd, HEADER.pack(MOVED, 0, 0), apply=False)

@@ -200,6 +200,15 @@ def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int, str]:
     env: dict[str, str] = dict(os.environ)
     info = None if _agent_store(env) else detect(env)
     origins: dict[str, str] = {}
+    # A world larger than the launcher's in the environment is one the program made beneath
+    # it (srun/mpirun -n 1 starting N workers itself, mp.spawn style, as torch's env:// allows):
+    # not a left-over, which names a smaller or equal world (RANK=0 WORLD_SIZE=1, say).
+    beneath = False
+    if info is not None and info.world_size is not None:
+        try:
+            beneath = int(env.get("WORLD_SIZE", "").strip()) > info.world_size
+        except ValueError:
+            pass
     if info is not None:
         for name, value, qname in (("WORLD_SIZE", info.world_size, "world_size"),
                                    ("RANK", info.rank, "rank")):
@@ -208,7 +217,8 @@ def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int, str]:
             # obeying them runs every process as its own job, silently.  Arguments and the
             # URL still override (that is deliberate).
             given = env.get(name)
-            if qname not in query and given and value is not None and given.strip() != str(value):
+            if (qname not in query and given and value is not None and given.strip() != str(value)
+                    and not beneath):
                 raise DistRendezvousError(
                     f"{name}={given} in the environment, but {info.source} started this process "
                     f"with {name.lower().replace('_', ' ')} {value}; unset {name} (left over from "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import sys
 import threading
 import weakref
 from collections import deque
@@ -140,10 +141,11 @@ class _Completer:
         _completers.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
-        if _exiting:
-            # The interpreter is finalizing: a daemon thread entering torch's C++ future code
-            # now is ended by pthread_exit while it holds C++ frames (std::terminate, SIGABRT).
-            # Nobody can wait for this future any more: drop the completion.
+        if sys.is_finalizing():
+            # The interpreter is finalizing (atexit handlers have run): a daemon thread entering
+            # torch's C++ future code now is ended by pthread_exit while it holds C++ frames
+            # (std::terminate, SIGABRT).  Nobody can wait for this future any more: drop it.
+            # (Not earlier: an atexit handler may still wait for an operation's completion.)
             return
         with self._cv:
             if not self._stopped:
