@@ -261,6 +261,22 @@ def test_workers_a_program_started_beneath_a_one_process_launcher_keep_their_wor
     assert (rank, size) == (2, 4)
 
 
+@pytest.mark.parametrize("junk", [{"SLURM_STEP_NODELIST": "node[01-"}, {"OMPI_COMM_WORLD_SIZE": "four"}],
+                         ids=["slurm-nodelist", "ompi-size"])
+def test_a_malformed_launcher_variable_is_not_needed_when_the_four_are_set(fake_env, junk):
+    """RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT all set: a left-over launcher variable
+    that does not parse is not read (it would say nothing they do not)."""
+    from distcomm import TCPStore
+
+    base = {**SLURM} if "SLURM_STEP_NODELIST" in junk else {**OMPI}
+    with TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) as master:
+        fake_env({**base, **junk, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(master.port)})
+        store, rank, size = next(rendezvous("env://", timeout=10))
+        store.close()
+    assert (rank, size) == (1, 2)
+
+
 def test_the_url_overrides_the_launcher_on_purpose(fake_env):
     port = free_port()
     fake_env({**SLURM, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1"})

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 from ..deadline import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
-from ..errors import DistNetworkError, DistRendezvousError, DistTypeError
+from ..errors import DistInputError, DistNetworkError, DistRendezvousError, DistTypeError
 from ..launch.environment import detect
 from .base import Store
 from .file import FileStore
@@ -198,7 +198,12 @@ def _env_settings(query: Mapping[str, str]) -> tuple[int, int, str, int, str]:
     """Rank, world size, store address and port: explicit variables, then the launcher's;
     and where the port came from (``"MASTER_PORT"``, or the launcher's name)."""
     env: dict[str, str] = dict(os.environ)
-    info = None if _agent_store(env) else detect(env)
+    try:
+        info = None if _agent_store(env) else detect(env)
+    except (DistRendezvousError, DistInputError):
+        if not all(env.get(v) for v in _ENV_VARS):
+            raise
+        info = None  # the explicit variables say it all: a malformed launcher variable is not needed
     origins: dict[str, str] = {}
     # A world larger than the launcher's in the environment is one the program made beneath
     # it (srun/mpirun -n 1 starting N workers itself, mp.spawn style, as torch's env:// allows):
