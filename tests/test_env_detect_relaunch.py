@@ -235,25 +235,32 @@ def test_torchrun_in_a_distcomm_run_worker_runs_a_job_of_its_own(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_agent_store_only_when_the_run_ids_are_the_agents(fake_env):
+@pytest.mark.parametrize("outer_kind", ["distcomm-run", "spawn"])
+def test_agent_store_only_when_the_run_ids_are_the_agents(fake_env, outer_kind):
     """With the variables of a ``distcomm run`` worker (store at MASTER_PORT, prefix
-    run/<id>/...), ``env://`` is a client of that store under the prefix while
-    TORCHELASTIC_RUN_ID is DISTCOMM_RUN_ID; once a torchrun inside that worker has set a run
-    id of its own, it is torchrun's job: the store is distcomm's derived torchrun port,
-    served by rank 0, and nothing reaches the outer store."""
+    run/<id>/...) or of a ``distcomm.spawn`` child (prefix spawn/<id>), ``env://`` is a
+    client of that store under the prefix while TORCHELASTIC_RUN_ID is the one the launcher
+    gave; once a torchrun inside that process has set a run id of its own, it is torchrun's
+    job: the store is distcomm's derived torchrun port, served by rank 0, and nothing
+    reaches the outer store."""
     outer = TCPStore("127.0.0.1", 0, None, True, 10, wait_for_workers=False)
     try:
-        common = {"DISTCOMM_USE_AGENT_STORE": "1", "DISTCOMM_RUN_ID": "outer",
-                  "DISTCOMM_STORE_PREFIX": "run/outer/round0", "RANK": "0", "WORLD_SIZE": "1",
+        if outer_kind == "spawn":
+            prefix = "spawn/abc"
+            own = {"DISTCOMM_STORE_PREFIX": prefix, "DISTCOMM_SPAWN_TORCHELASTIC_RUN_ID": ""}
+        else:
+            prefix = "run/outer/round0"
+            own = {"DISTCOMM_RUN_ID": "outer", "DISTCOMM_STORE_PREFIX": prefix, "TORCHELASTIC_RUN_ID": "outer"}
+        common = {"DISTCOMM_USE_AGENT_STORE": "1", "RANK": "0", "WORLD_SIZE": "1",
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(outer.port)}
-        fake_env({**common, "TORCHELASTIC_RUN_ID": "outer"})
+        fake_env({**common, **own})
         store, rank, size = next(rendezvous("env://", timeout=10))
         try:
             store.set("k", "plain")
         finally:
             store.close()
         assert (rank, size) == (0, 1)
-        assert outer.get("run/outer/round0/k") == b"plain"
+        assert outer.get(f"{prefix}/k") == b"plain"
 
         fake_env({"TORCHELASTIC_RUN_ID": "inner", "TORCHELASTIC_USE_AGENT_STORE": "True",
                   "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
@@ -265,7 +272,7 @@ def test_agent_store_only_when_the_run_ids_are_the_agents(fake_env):
         finally:
             store.close()
         assert (rank, size) == (0, 1)
-        assert outer.get("run/outer/round0/k") == b"plain" and outer.num_keys() == keys
+        assert outer.get(f"{prefix}/k") == b"plain" and outer.num_keys() == keys
         assert port == derived_port(f"torchrun:inner:{outer.port}") != outer.port
     finally:
         outer.close()

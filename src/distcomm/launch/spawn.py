@@ -288,6 +288,8 @@ def spawn(
             "WORLD_SIZE": nprocs, "LOCAL_WORLD_SIZE": nprocs, "GROUP_RANK": 0,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": store.port,
             "DISTCOMM_USE_AGENT_STORE": 1, "DISTCOMM_STORE_PREFIX": f"spawn/{uuid.uuid4().hex[:12]}",
+            # (a torchrun started in a child sets another: its workers are then torchrun's job)
+            "DISTCOMM_SPAWN_TORCHELASTIC_RUN_ID": os.environ.get("TORCHELASTIC_RUN_ID", ""),
         }
         for i in range(nprocs):
             env = {k: str(v) for k, v in {**common, "RANK": i, "LOCAL_RANK": i}.items()}

@@ -155,14 +155,17 @@ def _agent_store(env: Mapping[str, str]) -> bool:
     ``distcomm run`` gives its workers ``DISTCOMM_RUN_ID`` and ``TORCHELASTIC_RUN_ID``
     alike, and a store prefix under ``run/<id>/``.  A launcher started inside one of its
     workers (``torchrun``) overwrites ``TORCHELASTIC_RUN_ID`` but not the ``DISTCOMM_*``
-    variables: they are then the outer job's, and its store is not this job's."""
+    variables: they are then the outer job's, and its store is not this job's.  ``spawn``
+    records the ``TORCHELASTIC_RUN_ID`` its children were given for the same purpose."""
     if not _truthy(env.get("DISTCOMM_USE_AGENT_STORE")):
         return False
     run = env.get("DISTCOMM_RUN_ID")
     prefix = env.get("DISTCOMM_STORE_PREFIX") or ""
     if run and prefix.startswith(f"run/{run}/") and env.get("TORCHELASTIC_RUN_ID", run) != run:
         return False
-    return True
+    spawned = env.get("DISTCOMM_SPAWN_TORCHELASTIC_RUN_ID")
+    return not (prefix.startswith("spawn/") and spawned is not None
+                and env.get("TORCHELASTIC_RUN_ID", "") != spawned)
 
 
 # -- built-in handlers ------------------------------------------------------
