@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import pytest
+from test_ft_replica_groups import _read
 
 from distcomm.ft import LighthouseThread, ReplicaGroupError
 from distcomm.store import TCPStore
@@ -185,14 +186,6 @@ def group_vote_worker(rid: str, rank: int, lighthouse: str, store: str, log: str
 
 
 # -- the test side ----------------------------------------------------------------------------------------
-def _read(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
-
-
 def _wait(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

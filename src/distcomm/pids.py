@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
 
-__all__ = ["alive", "exited", "owned_tempdir"]
+__all__ = ["alive", "exited", "owned_tempdir", "parent_of", "when_gone"]
 
 
 def alive(pid: int) -> bool:
@@ -18,6 +21,35 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
+    return True
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (from /proc), or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def when_gone(pid: int, action: Callable[[], None], name: str) -> bool | None:
+    """Run ``action`` on a daemon thread (``name``) once process ``pid`` has ended.
+
+    Returns True once watching, False if ``pid`` has ended already (``action`` is not run),
+    None where pidfds are not available (old kernel or Python: nothing is watched)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):
+        return None
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once ``pid`` exited
+        action()
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
     return True
 
 

@@ -26,3 +26,8 @@ def shutdown_quietly(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def bare_host(host: str) -> str:
+    """``host`` without the brackets of an IPv6 address written as ``[::1]``."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import select
 import socket
 import sys
-import threading
 
 import numpy as np
 
+from ..pids import when_gone
 from .reconfigurable import ReconfigurableProcessGroup
 from .subprocess_group import recv_frame, send_frame
 
@@ -30,20 +29,10 @@ def _watch_parent(parent: int) -> None:
     """Exit when the trainer process ``parent`` ends (not PR_SET_PDEATHSIG: Linux sends that
     when the *thread* that started this child ends, which would kill the child of a group
     configured from a short-lived thread while the trainer goes on)."""
-    try:
-        pidfd = os.pidfd_open(parent)
-    except (AttributeError, OSError):  # gone already (or no pidfds: watched by the socket only)
-        pidfd = None
+    # (without pidfds: watched by the socket only)
+    when_gone(parent, lambda: os._exit(1), "distcomm-ft-baby-parent")
     if os.getppid() != parent:  # it ended before this child could watch it
         os._exit(1)
-    if pidfd is None:
-        return
-
-    def wait() -> None:
-        select.select([pidfd], [], [])
-        os._exit(1)
-
-    threading.Thread(target=wait, name="distcomm-ft-baby-parent", daemon=True).start()
 
 
 def main(fd: int, parent: int | None = None) -> int:

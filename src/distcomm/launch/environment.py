@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import DistRendezvousError
+from ..pids import parent_of
 
 __all__ = ["LaunchInfo", "detect", "derived_port", "read_int", "MpiLauncher", "DERIVED_PORT_RANGE"]
 
@@ -132,15 +133,6 @@ def _environ_of(pid: int) -> dict[str, str] | None:
     return out
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def launcher_pid(own_vars: tuple[str, ...], env: Mapping[str, str]) -> int:
     """The process that started this rank: the nearest ancestor not started with this
     rank's values of ``own_vars`` (the MPI launcher's local daemon or proxy).  A wrapper
@@ -156,7 +148,7 @@ def launcher_pid(own_vars: tuple[str, ...], env: Mapping[str, str]) -> int:
             break
         if [seen.get(v) for v in own_vars] != mine:
             return pid
-        parent = _parent_of(pid)
+        parent = parent_of(pid)
         if parent is None or parent <= 1:
             break
         pid = parent

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import DistError, DistInputError, DistTypeError
+from ..pids import parent_of, when_gone
 
 __all__ = ["spawn", "ProcessContext", "ProcessException", "ProcessRaisedException",
            "ProcessExitedException"]
@@ -51,34 +52,12 @@ class ProcessExitedException(ProcessException):
     signal_name: Any = None
 
 
-def _parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` (from /proc), or None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _watch_caller(pid: int) -> None:
     """SIGKILL this process when ``pid`` ends: a caller that is not our parent (the fork
     server is), which the parent-death signal cannot tie us to (the server itself lives
-    on while its children do: they hold its liveness pipe)."""
-    import select
-    import threading
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # gone already
-        os._exit(1)
-    except (AttributeError, OSError):  # old kernel or Python: best effort
-        return
-
-    def watch() -> None:
-        select.select([fd], [], [])  # readable once ``pid`` exited
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="distcomm-spawn-caller-watch", daemon=True).start()
+    on while its children do: they hold its liveness pipe).  Best effort without pidfds."""
+    if when_gone(pid, lambda: os.kill(os.getpid(), signal.SIGKILL), "distcomm-spawn-caller-watch") is False:
+        os._exit(1)  # gone already
 
 
 def _die_with_parent(parent_pid: int, via_server: bool = False) -> None:
@@ -97,7 +76,7 @@ def _die_with_parent(parent_pid: int, via_server: bool = False) -> None:
     ppid = os.getppid()
     if ppid == parent_pid:
         return
-    if via_server and _parent_of(ppid) == parent_pid:
+    if via_server and parent_of(ppid) == parent_pid:
         _watch_caller(parent_pid)
         return
     os._exit(1)  # the caller died before prctl took effect

@@ -9,8 +9,9 @@ import sys
 import threading
 
 from ..errors import DistError
+from ..sockets import bare_host
 from . import auth
-from .tcp_client import _bare_host, is_loopback
+from .tcp_client import is_loopback
 from .tcp_server import StoreServer
 
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         print("distcomm store: --host must name an address (0.0.0.0: every IPv4 one)", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    host = _bare_host(args.host)
+    host = bare_host(args.host)
     try:
         server = StoreServer(host, args.port)
     except (OSError, DistError) as e:

@@ -45,7 +45,7 @@ from ..errors import (
     DistTypeError,
 )
 from ..fdlimit import ensure_fds
-from ..sockets import recv_exact, shutdown_quietly
+from ..sockets import bare_host, recv_exact, shutdown_quietly
 from . import auth
 from . import tcp_protocol as p
 from .base import INTERNAL_PREFIX, Store, timeout_error
@@ -142,7 +142,7 @@ class TCPStore(Store):
     def host(self) -> str:
         """The server's host as torch spells it: an IPv6 address without brackets
         (``"[::1]"`` gives ``"::1"``), so it can be passed to sockets and stores as is."""
-        return _bare_host(self._host)
+        return bare_host(self._host)
 
     @property
     def port(self) -> int:
@@ -151,7 +151,7 @@ class TCPStore(Store):
     @property
     def _addr(self) -> str:
         """``host:port`` for messages (an IPv6 address in brackets)."""
-        host = _bare_host(self._host)
+        host = bare_host(self._host)
         return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
 
     @property
@@ -233,7 +233,7 @@ class TCPStore(Store):
             attempts += 1
             try:
                 sock = socket.create_connection(
-                    (_bare_host(self._host), self._port), timeout=max(0.05, min(deadline.remaining(), 10.0))
+                    (bare_host(self._host), self._port), timeout=max(0.05, min(deadline.remaining(), 10.0))
                 )
             except OSError as e:
                 if self._connected_once and isinstance(e, ConnectionRefusedError):
@@ -588,14 +588,9 @@ def _recv(sock: socket.socket, n: int) -> bytes:
     return recv_exact(sock, n, "the server closed the connection during the handshake")
 
 
-def _bare_host(host: str) -> str:
-    """``host`` without the brackets of an IPv6 address written as ``[::1]``."""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
 def _bind_host(host: str) -> str:
     """Where the master listens: loopback only if ``host`` is loopback, else everywhere."""
-    bare = _bare_host(host)
+    bare = bare_host(host)
     if is_loopback(bare):
         return bare.lower()
     return "::" if ":" in bare else "0.0.0.0"

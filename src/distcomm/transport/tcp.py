@@ -54,6 +54,7 @@ from ..errors import (
     DistNetworkError,
     DistStoreTimeoutError,
 )
+from ..sockets import bare_host
 from ..store import auth
 from ..store.base import Store
 from ..store.exchange import missing_ranks_error
@@ -160,11 +161,6 @@ CALL_EVERY = 10
 #: so a machine that went away silently (powered off, the network cut) fails the wait
 #: instead of the group timeout; an idle connection is never probed.
 USER_TIMEOUT_VAR = "DISTCOMM_TCP_USER_TIMEOUT"
-
-
-def _unbracket(host: str) -> str:
-    """``host`` without the brackets of an IPv6 address written as ``[::1]``."""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def user_timeout() -> float:
@@ -311,7 +307,7 @@ class TcpTransport:
         #: rank never in touch -> groups this process left (LEAVEs for when it is: see _peer)
         self._unsent_leaves: dict[int, dict[int, None]] = {}
         host = w.publish_address(master_addr)
-        bare = _unbracket(host)
+        bare = bare_host(host)
         if ":" in bare:  # an IPv6 address (DISTCOMM_HOSTNAME, --local-addr): listen on IPv6
             bind = bare if bare == "::1" else "::"
             self._listener = socket.create_server(
@@ -751,7 +747,7 @@ class TcpTransport:
                 self._store.wait([addr_key(p.rank)], deadline.remaining())
                 addr = self._store.get(addr_key(p.rank)).decode()
             host, _, port = addr.rpartition(":")
-            sock = connect_retry(_unbracket(host), int(port), deadline, p.rank)
+            sock = connect_retry(bare_host(host), int(port), deadline, p.rank)
             try:
                 connector_handshake(sock, self._token, self._auth, self.rank, p.rank)
                 sock.setblocking(False)
@@ -1574,7 +1570,7 @@ class TcpTransport:
             return
         host, _, port = addr.rpartition(":")
         try:
-            with socket.create_connection((_unbracket(host), int(port)), timeout=2) as sock:
+            with socket.create_connection((bare_host(host), int(port)), timeout=2) as sock:
                 version = w.VERSION if self._auth is None else w.AUTH_VERSION
                 sock.sendall(w.HELLO.pack(w.MAGIC, version, w.PROBE, self._token, self.rank))
         except ConnectionRefusedError:
