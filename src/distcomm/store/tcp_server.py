@@ -458,8 +458,7 @@ class StoreServer:
             conn.torch_ns = ns
             if ns not in self._ns_counts:  # (once per prefix, not per query: see GETNUMKEYS)
                 self._ns_counts[ns] = sum(1 for k in self._data if k.startswith(ns))
-            conn.ready = True
-            self._pending.pop(conn, None)
+            self._admit(conn)
             return len(tw.HELLO)
         size = p.HANDSHAKE.size
         if len(buf) < size:
@@ -481,8 +480,7 @@ class StoreServer:
                 self._refuse(conn, "unauthenticated connection refused (the client has no token)")
                 return 0
             self._reply(conn, version, p.HS_OK)
-            conn.ready = True
-            self._pending.pop(conn, None)
+            self._admit(conn)
             return size
         if len(buf) < size + auth.NONCE_BYTES:
             return 0
@@ -512,9 +510,13 @@ class StoreServer:
             return 0
         conn.challenge = None
         self._reply(conn, p.VERSION, p.HS_OK)
+        self._admit(conn)
+        return auth.MAC_BYTES
+
+    def _admit(self, conn: _Conn) -> None:
+        """``conn`` finished its handshake: its requests are served from now on."""
         conn.ready = True
         self._pending.pop(conn, None)
-        return auth.MAC_BYTES
 
     def _reply(self, conn: _Conn, version: int, status: int) -> None:
         self._send(conn, p.HANDSHAKE_REPLY.pack(p.MAGIC, version, status, 0))
