@@ -195,8 +195,16 @@ def group_arguments(rank: int, ws: int, backend: str, port: int) -> cc.Report:
     return rep
 
 
+def refusals(rank: int, ws: int, backend: str, port: int) -> cc.Report:
+    """tests/test_debug_refusals.py's calls refused on some ranks, under DETAIL, on MPI groups."""
+    from test_debug_refusals import refusals as run
+
+    return run(rank, ws, backend, port)
+
+
 EXTRA = {"no_rendezvous": no_rendezvous, "mpi_errors": mpi_errors, "op_mapping": op_mapping,
-         "device_mesh": device_mesh, "shrink": shrink, "group_arguments": group_arguments}
+         "device_mesh": device_mesh, "shrink": shrink, "group_arguments": group_arguments,
+         "refusals": refusals}
 
 
 def cases() -> dict[str, tuple]:

@@ -29,6 +29,9 @@ from .group import ProcessGroup
 from .reduce_op import ReduceOp
 from .work import Work
 
+#: Errors that refuse a call's arguments before it is issued (see ProcessGroup.refused).
+_REFUSALS = (DistInputError, DistTypeError)
+
 __all__ = [
     "all_reduce_coalesced",
     "all_gather_coalesced",
@@ -125,8 +128,11 @@ def broadcast(tensor: Any, src: int | None = None, group: ProcessGroup | None = 
     pg = _member(group)
     if pg is None:
         return None
-    root = _group_rank(pg, src, group_src, "src")
-    return _ret(pg.broadcast(tensor, root, async_op), async_op)
+    try:
+        root = _group_rank(pg, src, group_src, "src")
+        return _ret(pg.broadcast(tensor, root, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("broadcast", e)
 
 
 def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
@@ -135,7 +141,10 @@ def all_reduce(tensor: Any, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | N
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.allreduce(tensor, op, async_op), async_op)
+    try:
+        return _ret(pg.allreduce(tensor, op, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("all_reduce", e)
 
 
 def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
@@ -145,8 +154,11 @@ def reduce(tensor: Any, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     pg = _member(group)
     if pg is None:
         return None
-    root = _group_rank(pg, dst, group_dst, "dst")
-    return _ret(pg.reduce(tensor, root, op, async_op), async_op)
+    try:
+        root = _group_rank(pg, dst, group_dst, "dst")
+        return _ret(pg.reduce(tensor, root, op, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("reduce", e)
 
 
 def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None,
@@ -155,7 +167,10 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: ProcessGroup | None =
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.allgather(tensor_list, tensor, async_op), async_op)
+    try:
+        return _ret(pg.allgather(tensor_list, tensor, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("all_gather", e)
 
 
 def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
@@ -265,7 +280,10 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any,
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.allgather_into_tensor(output_tensor, input_tensor, async_op), async_op)
+    try:
+        return _ret(pg.allgather_into_tensor(output_tensor, input_tensor, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("all_gather_into_tensor", e)
 
 
 all_gather_single = all_gather_into_tensor
@@ -280,10 +298,13 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     pg = _member(group)
     if pg is None:
         return None
-    if dst is None and group_dst is None:
-        group_dst = _default_root(pg)
-    root = _group_rank(pg, dst, group_dst, "dst")
-    return _ret(pg.gather(tensor, gather_list, root, async_op), async_op)
+    try:
+        if dst is None and group_dst is None:
+            group_dst = _default_root(pg)
+        root = _group_rank(pg, dst, group_dst, "dst")
+        return _ret(pg.gather(tensor, gather_list, root, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("gather", e)
 
 
 def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None = None,
@@ -295,10 +316,13 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
     pg = _member(group)
     if pg is None:
         return None
-    if src is None and group_src is None:
-        group_src = _default_root(pg)
-    root = _group_rank(pg, src, group_src, "src")
-    return _ret(pg.scatter(tensor, scatter_list, root, async_op), async_op)
+    try:
+        if src is None and group_src is None:
+            group_src = _default_root(pg)
+        root = _group_rank(pg, src, group_src, "src")
+        return _ret(pg.scatter(tensor, scatter_list, root, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("scatter", e)
 
 
 def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.SUM,
@@ -307,7 +331,10 @@ def reduce_scatter(output: Any, input_list: list[Any], op: ReduceOp = ReduceOp.S
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.reduce_scatter(output, input_list, op, async_op), async_op)
+    try:
+        return _ret(pg.reduce_scatter(output, input_list, op, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("reduce_scatter", e)
 
 
 def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
@@ -316,7 +343,10 @@ def reduce_scatter_tensor(output: Any, input: Any, op: ReduceOp = ReduceOp.SUM,
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.reduce_scatter_tensor(output, input, op, async_op), async_op)
+    try:
+        return _ret(pg.reduce_scatter_tensor(output, input, op, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("reduce_scatter_tensor", e)
 
 
 reduce_scatter_single = reduce_scatter_tensor
@@ -328,7 +358,10 @@ def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any],
     pg = _member(group)
     if pg is None:
         return None
-    return _ret(pg.alltoall(output_tensor_list, input_tensor_list, async_op), async_op)
+    try:
+        return _ret(pg.alltoall(output_tensor_list, input_tensor_list, async_op), async_op)
+    except _REFUSALS as e:
+        pg.refused("all_to_all", e)
 
 
 def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int] | None = None,
@@ -338,8 +371,11 @@ def all_to_all_single(output: Any, input: Any, output_split_sizes: Sequence[int]
     pg = _member(group)
     if pg is None:
         return None
-    work = pg.alltoall_single(output, input, output_split_sizes, input_split_sizes, async_op)
-    return _ret(work, async_op)
+    try:
+        work = pg.alltoall_single(output, input, output_split_sizes, input_split_sizes, async_op)
+        return _ret(work, async_op)
+    except _REFUSALS as e:
+        pg.refused("all_to_all_single", e)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
@@ -351,9 +387,12 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     pg = _member(group)
     if pg is None:
         return None
-    if timeout is None:
-        return _ret(pg.barrier(async_op), async_op)
-    return _ret(pg.barrier(async_op, timeout=to_seconds(timeout)), async_op)
+    try:
+        if timeout is None:
+            return _ret(pg.barrier(async_op), async_op)
+        return _ret(pg.barrier(async_op, timeout=to_seconds(timeout)), async_op)
+    except _REFUSALS as e:
+        pg.refused("barrier", e)
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Timeout | None = None,

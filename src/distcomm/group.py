@@ -19,7 +19,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .deadline import Deadline
 from .debug import recorder as _rec
@@ -299,6 +299,29 @@ class ProcessGroup:
             work.wait()
         return work
 
+    def refused(self, op: str, error: BaseException) -> NoReturn:
+        """Raise ``error``, which refused the arguments of collective ``op`` on this rank
+        before it was issued; under DETAIL first tell the peers.
+
+        Peers that entered the call would wait in it for this rank.  With the DETAIL
+        check on, this rank takes the call's sequence number and runs the check alone,
+        as a refusal: a peer in the call then raises
+        :class:`~distcomm.errors.DistDesyncError` saying which rank refused and why, and
+        this rank raises ``error`` (its ``__cause__`` the same report); every rank has
+        counted the call, so the group stays usable.  Where every rank refused alike, the
+        check agrees and each raises its own error.  Without DETAIL nothing is sent."""
+        if (self._detail is None or self._broken is not None or self._closed
+                or getattr(error, "_told_peers", False)):
+            raise error
+        error._told_peers = True  # type: ignore[attr-defined]  # an enclosing front-end's too
+        from .debug.fingerprint import Refusal
+
+        try:
+            self._submit(op, _nothing, False, info=Refusal(_exception_text(error)))
+        except DistError as report:  # the peers' calls (DistDesyncError), or the check's failure
+            raise error from report
+        raise error
+
     def _claim_plain(self) -> bool:
         """Claim the executor for a blocking call in the caller's thread when the group is
         usable, idle and not checking arguments (DETAIL): a lean lane then goes straight to
@@ -373,6 +396,10 @@ class ProcessGroup:
         if _rec.on_failure is not None:
             _rec.on_failure(self, cause)
         return err
+
+
+def _nothing(seq: int, deadline: Deadline) -> None:
+    """The run of a refused call: the DETAIL check before it is all it does."""
 
 
 def _exception_text(e: BaseException) -> str:

@@ -32,7 +32,7 @@ from ..errors import DistDesyncError, DistTimeoutError
 from .log import get_logger
 from .recorder import info_fields
 
-__all__ = ["DetailChecker", "describe", "describe_text", "mismatch_text"]
+__all__ = ["DetailChecker", "Refusal", "describe", "describe_text", "mismatch_text"]
 
 #: Sequence-number offsets of the check's own collectives (the tag space is 38 bits).
 FAST_SEQ = 1 << 37
@@ -49,9 +49,23 @@ log = get_logger("distcomm.debug")
 _hashes: dict[tuple, int] = {}
 
 
+class Refusal(tuple):
+    """The ``info`` of a collective this rank refused (bad arguments): what it checks in place
+    of the call (:meth:`~distcomm.group.ProcessGroup.refused`); ``reason`` is the error."""
+
+    reason: str
+
+    def __new__(cls, reason: str) -> Refusal:
+        self = super().__new__(cls, (None, None, None, None, None))
+        self.reason = reason
+        return self
+
+
 def _common_hash(op: str, info: tuple) -> int:
     shape, dtype, root, redop, _ = info
     key = (op, None if op in _A2A else shape, dtype, root, getattr(redop, "name", redop))
+    if isinstance(info, Refusal):
+        key = ("refused", op)  # never equal to a call's; alike on ranks that all refused it
     h = _hashes.get(key)
     if h is None:
         digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
@@ -66,6 +80,8 @@ def describe(op: str, seq: int, info: tuple) -> dict[str, Any]:
     """One rank's call as a small dict (JSON-friendly); group ranks."""
     counts = info[4]
     d: dict[str, Any] = {"op": op, "seq": seq, **info_fields(info)}
+    if isinstance(info, Refusal):
+        d["refused"] = info.reason[:REPORT_BYTES // 2]
     if counts is not None:
         d["send_counts"], d["recv_counts"] = list(counts[0]), list(counts[1])
     return d
@@ -223,9 +239,12 @@ def mismatch_text(calls: list[dict[str, Any]], ranks: list[int]) -> str:
         return _split_mismatch(calls, ranks)
     groups = list(keyed.values())
     first = calls[groups[0][0]]
-    out = [f"{_rank_list(groups[0], ranks)} called {describe_text(first, ranks)}"]
+    out = [f"{_rank_list(groups[0], ranks)} {_called(first, ranks)}"]
     for g in groups[1:]:
         c = calls[g[0]]
+        if "refused" in c or "refused" in first:
+            out.append(f"while {_rank_list(g, ranks)} {_called(c, ranks)}")
+            continue
         if c.get("op") != first.get("op"):
             diff = ("op",) + tuple(k for k in ("root", "shape", "dtype", "reduce_op") if k in c)
             verb = "called"
@@ -234,6 +253,13 @@ def mismatch_text(calls: list[dict[str, Any]], ranks: list[int]) -> str:
             verb = "passed"
         out.append(f"while {_rank_list(g, ranks)} {verb} {describe_text(c, ranks, diff)}")
     return " ".join(out)
+
+
+def _called(d: dict[str, Any], ranks: list[int]) -> str:
+    """``called all_reduce of shape (8,) float32 (SUM)``, or ``refused all_reduce (the error)``."""
+    if "refused" in d:
+        return f"refused the arguments of {d.get('op')} and skipped the call ({d['refused']})"
+    return f"called {describe_text(d, ranks)}"
 
 
 def _split_mismatch(calls: list[dict[str, Any]], ranks: list[int]) -> str:
