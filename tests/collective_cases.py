@@ -1542,6 +1542,16 @@ def run_groups(rank: int, world_size: int, backend: str, port: int) -> Report:
                        f"split_group of group {world[1:]} by its group ranks: this rank's group is "
                        f"{None if mine is None else dist.get_process_group_ranks(mine)}, expected {block}")
                 _group_collectives(rep, mine, block, "split_group of a subgroup")
+        # split_group of a parent in reverse order: each split keeps the parent's order (as torch's)
+        if ws >= 2:
+            parent = dist.new_group(world[::-1], sort_ranks=False)
+            mine = dist.split_group(parent, split_ranks=[[1, 0]] + ([list(range(2, ws))] if ws > 2 else []))
+            block = [ws - 1, ws - 2] if rank >= ws - 2 else world[: ws - 2][::-1]
+            got = None if mine is None else dist.get_process_group_ranks(mine)
+            _check(rep, got == block, f"split_group of group {world[::-1]}: this rank's group is {got}, "
+                   f"expected {block} (the parent's order)")
+            if mine is not None:
+                _group_collectives(rep, mine, block, "split_group of a reversed parent")
         # use_local_synchronization: only the members call new_group.
         if rank < half:
             lg = dist.new_group(world[:half], use_local_synchronization=True)

@@ -52,12 +52,12 @@ def _mesh_rank(rank: int, world_size: int, backend: str, port: int, shape: tuple
         bad.append("get_group by index or get_all_groups differ from get_group by name")
     if (mesh.get_local_rank("dp"), mesh.get_local_rank("tp")) != (row, col):
         bad.append(f"local ranks {mesh.get_local_rank('dp')}, {mesh.get_local_rank('tp')}")
-    # one group per dimension, except where the line is the whole job (the default group)
-    made = sum(1 for extent in shape if extent != world_size)
-    if dist.get_pg_count() != groups_before + made:
-        bad.append(f"{dist.get_pg_count() - groups_before} groups made for a {shape} mesh, expected {made}")
-    if world_size in shape and dist.GroupMember.WORLD not in mesh.get_all_groups():
-        bad.append(f"a whole-job line of a {shape} mesh is not the default group")
+    # one new group per dimension, a whole-job line of this 2-D mesh too (as torch), so that
+    # destroying the mesh's groups leaves the default group alone
+    if dist.get_pg_count() != groups_before + 2:
+        bad.append(f"{dist.get_pg_count() - groups_before} groups made for a {shape} mesh, expected 2")
+    if dist.GroupMember.WORLD in mesh.get_all_groups():
+        bad.append(f"a whole-job line of a {shape} mesh is the default group")
     # collectives along each dimension reach exactly that line
     x = np.array([rank], np.int64)
     dist.all_reduce(x, group=tp)

@@ -708,7 +708,8 @@ def split_group(
                     f"rank {r!r} in split_ranks is not a rank of the parent group (split_ranks holds "
                     f"the parent's group ranks, 0 .. {n - 1}; its global ranks are {parent.ranks})"
                 )
-        splits.append([parent.ranks[as_integer(r)] for r in group_ranks])  # as global ranks
+        # as global ranks, in the parent's group-rank order (as torch's split keeps it)
+        splits.append([parent.ranks[r] for r in sorted(as_integer(r) for r in group_ranks)])
     seen: set[int] = set()
     mine = None
     for ranks in splits:  # only the parent's members call this: names are local
@@ -717,7 +718,7 @@ def split_group(
         seen.update(ranks)
         desc = f"split:{parent.group_name}" + (f":{group_desc}" if group_desc else "")
         g = new_group(ranks, timeout=timeout, backend=parent.backend_name,
-                      use_local_synchronization=True, group_desc=desc)
+                      use_local_synchronization=True, group_desc=desc, sort_ranks=False)
         if g is not GroupMember.NON_GROUP_MEMBER:
             mine = g
     return mine

@@ -11,8 +11,8 @@ Along each dimension, the ranks that differ only in that dimension's
 coordinate form a group (a *line* of the mesh).  Each rank creates the group
 of the one line through it per dimension, with ``new_group(...,
 use_local_synchronization=True)``, so only a line's members take part in
-creating it; a line that holds every rank of the job is the default group
-itself.  Slicing a mesh by dimension names (``mesh["tp"]``, ``mesh["dp",
+creating it; a 1-D mesh of every rank of the job uses the default group
+itself (as torch's; an n-D mesh's whole-job line gets a group of its own).  Slicing a mesh by dimension names (``mesh["tp"]``, ``mesh["dp",
 "tp"]``) reuses the parent's groups; ``_flatten`` makes one group of a mesh's
 ranks.  Ranks outside the mesh may create it too: their
 :meth:`DeviceMesh.get_coordinate` is None and they own no group of it.
@@ -93,7 +93,11 @@ class DeviceMesh:
         if self._coordinate is not None and _init_backend:
             for d in range(self._mesh.ndim):
                 desc = f"mesh:{self.mesh_dim_names[d] if self.mesh_dim_names else d}"
-                self._groups.append(_group_of(self._line(d), backends.get(d), desc))
+                # (as torch: only a 1-D mesh of the whole job uses the default group; a
+                # whole-job line of an n-D mesh gets a group of its own, so that destroying
+                # the mesh's groups leaves the default group alone)
+                self._groups.append(_group_of(self._line(d), backends.get(d), desc,
+                                              may_be_default=self._mesh.ndim == 1))
 
     # -- construction helpers -----------------------------------------------------------
     def _backends(self, override: dict[int | str, Any] | None) -> dict[int, str]:
@@ -288,11 +292,11 @@ class DeviceMesh:
         return f"DeviceMesh({self.device_type!r}, ({dims}), ranks={self._mesh.tolist()})"
 
 
-def _group_of(ranks: list[int], backend: str | None, desc: str) -> ProcessGroup:
-    """The group of ``ranks`` (global): the default group when they are the whole job,
-    else a new group created by its members only."""
+def _group_of(ranks: list[int], backend: str | None, desc: str, may_be_default: bool = True) -> ProcessGroup:
+    """The group of ``ranks`` (global): the default group when they are the whole job (and
+    ``may_be_default``), else a new group created by its members only."""
     world = api._require_world()
-    if backend is None and sorted(ranks) == list(range(world.size)):
+    if may_be_default and backend is None and sorted(ranks) == list(range(world.size)):
         assert world.default is not None
         return world.default
     group = api.new_group(ranks, backend=backend, use_local_synchronization=True, group_desc=desc)
