@@ -385,3 +385,43 @@ def subgroup_ranks(rank, n, port):
 @pytest.mark.parametrize("n", [3, 4])
 def test_subgroups_and_non_members(n):
     assert _run(subgroup_ranks, n) == [True] * n
+
+
+# -- 0-d inputs keep their shape; scatter's header under the restricted unpickler ------------------
+
+
+def zero_d_and_safe_scatter_ranks(rank, n, port):
+    _init(rank, n, port)
+    try:
+        import torch
+
+        for x in (torch.tensor(rank + 1.0), np.array(rank + 1.0, dtype=">f8")):
+            for result in (F.all_reduce(x), F.broadcast(x, src=0), F.reduce(x, 0)):
+                assert tuple(result.shape) == (), (type(x), tuple(result.shape))
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        distcomm.set_object_unpickler()  # the restricted unpickler, on every rank
+        try:
+            xs = np.arange(2 * n).astype(ml_dtypes.bfloat16).reshape(n, 2) if rank == 0 else None
+            got = F.scatter(xs, src=0)
+            assert got.dtype == np.dtype(ml_dtypes.bfloat16), got.dtype
+            assert got.astype(np.float32).tolist() == [2.0 * rank, 2.0 * rank + 1]
+        finally:
+            distcomm.set_object_unpickler(None)
+        class Unreadable:
+            def __array__(self, dtype=None, copy=None):
+                raise ValueError("cannot convert me")
+
+        with pytest.raises(DistInputError, match="ValueError: cannot convert me"):  # on every rank
+            F.scatter([Unreadable()] * n if rank == 0 else None, src=0)
+        total = F.all_reduce(np.ones(1))  # the group is still in step
+        assert total.tolist() == [float(n)]
+        return True
+    finally:
+        distcomm.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero_d_and_scatter_under_restricted_unpickler(n):
+    pytest.importorskip("torch")
+    assert _run(zero_d_and_safe_scatter_ranks, n, timeout=100) == [True] * n

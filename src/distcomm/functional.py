@@ -95,7 +95,7 @@ def _to_user(arr: np.ndarray, dtype_name: str, torch_out: bool, np_dtype: np.dty
     if torch_out:
         torch = sys.modules.get("torch")
         if torch is not None:
-            arr = np.ascontiguousarray(arr)
+            arr = np.asarray(arr, order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
             if dtype_name == "bfloat16":
                 return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
             return torch.from_numpy(arr)
@@ -199,9 +199,9 @@ def _input(x: Any, what: str = "x") -> _Input:
             x = np.asarray(x)
     if isinstance(x, np.ndarray):
         if not x.dtype.isnative and x.dtype.kind in "biufc":  # (a copy in this machine's order)
-            x = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("="))
+            x = np.asarray(x, dtype=x.dtype.newbyteorder("="), order="C")
         elif not x.flags.c_contiguous:
-            x = np.ascontiguousarray(x)
+            x = np.asarray(x, order="C")
         ref = as_array(x, writable=False, what=what)
         return _Input(ref, False, x.dtype, xp)
     ref = as_array(x, writable=False, what=what)  # buffers and DLPack
@@ -416,19 +416,24 @@ def scatter(xs: Any = None, src: int | None = None, group: ProcessGroup | None =
     n = pg.size()
     header: list[Any] = [None]
     blocks: list[np.ndarray] = []
+    failure: Exception | None = None
     if pg.rank() == root:
         try:
             blocks, header[0] = _scatter_blocks(xs, n)
-        except (DistInputError, DistTypeError) as exc:
-            header[0] = ("error", isinstance(exc, TypeError), exc.message)
+        except Exception as exc:  # any failure to read xs (an __array__ that raises, a deleted
+            failure = exc  # JAX array...) is told to the others, who would wait for the header
+            message = exc.message if isinstance(exc, (DistInputError, DistTypeError)) else (
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+            header[0] = ("error", isinstance(exc, TypeError), message)
     broadcast_object_list(header, group=pg, group_src=root)
     if header[0][0] == "error":
         _, is_type, message = header[0]
         cls = DistTypeError if is_type else DistInputError
         raise cls(f"scatter: xs on rank {pg.ranks[root]} is unusable: {message}",
-                  op="scatter", group=pg.group_name, rank=pg.ranks[root])
-    _, dtype_name, shape, torch_out, np_dtype, xp_name = header[0]
+                  op="scatter", group=pg.group_name, rank=pg.ranks[root]) from failure
+    _, dtype_name, shape, torch_out, np_dtype_name, xp_name = header[0]
     out = np.empty(shape, storage_dtype(dtype_name))
+    np_dtype = None if np_dtype_name is None else out.dtype
     _c.scatter(out.reshape(-1), blocks if pg.rank() == root else None, group=pg, group_src=root)
     return _to_user(out, dtype_name, torch_out, np_dtype, _namespace_named(xp_name))
 
@@ -459,4 +464,8 @@ def _scatter_blocks(xs: Any, n: int) -> tuple[list[np.ndarray], tuple]:
         blocks = list(first.flat.reshape(n, -1))
         shape = first.shape[1:]
     xp_name = getattr(first.xp, "__name__", None) if first.xp is not None else None
-    return blocks, ("ok", first.ref.dtype, tuple(shape), first.torch, first.np_dtype, xp_name)
+    # Plain builtins only: receivers may unpickle with the restricted unpickler, and a header
+    # they refuse would leave them out of the scatter that src goes on to.
+    np_dtype_name = None if first.np_dtype is None else first.ref.dtype
+    return blocks, ("ok", first.ref.dtype, tuple(int(d) for d in shape), bool(first.torch),
+                    np_dtype_name, xp_name)

@@ -42,16 +42,35 @@ _NO_ARGS = (None, None, None, None, None)
 
 
 class _Staging:
-    """Byte buffers reused across collectives (one collective runs at a time)."""
+    """Byte buffers reused across collectives (one collective runs at a time).
+
+    A buffer above :data:`KEEP_BYTES` is kept only while calls keep needing one that big
+    (the second such call in a row keeps it; a smaller call frees it): one gather of big
+    objects does not hold ``group size x message`` bytes for the rest of the group's life,
+    and a loop of big collectives still reuses its buffer.
+    """
+
+    #: The largest buffer always kept between calls.
+    KEEP_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self._bufs: dict[str, np.ndarray] = {}
+        self._big: set[str] = set()  # names whose last call needed more than KEEP_BYTES
 
     def take(self, name: str, dtype: np.dtype, count: int) -> np.ndarray:
         nbytes = count * dtype.itemsize
         buf = self._bufs.get(name)
+        big = nbytes > self.KEEP_BYTES
+        if buf is not None and buf.size > self.KEEP_BYTES and not big:
+            buf = None  # the big calls are over: free their buffer
         if buf is None or buf.size < nbytes:
-            buf = self._bufs[name] = np.empty(max(nbytes, 64), np.uint8)
+            buf = np.empty(max(nbytes, 64), np.uint8)
+            if not big or name in self._big:
+                self._bufs[name] = buf
+        if big:
+            self._big.add(name)
+        else:
+            self._big.discard(name)
         return buf[:nbytes].view(dtype)
 
 
