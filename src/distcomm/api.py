@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import operator
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -363,6 +364,10 @@ def _close_all(resources: list[Any]) -> None:
 
 @atexit.register
 def _teardown_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None:  # ending by an uncaught exception, already printed
+        from .transport import tcp as _tcp
+
+        _tcp.ending_on_error = True
     try:
         destroy_process_group()
     except Exception:  # noqa: BLE001 - never hang or fail interpreter exit

@@ -88,6 +88,11 @@ __all__ = ["TcpTransport", "TcpChannel"]
 
 log = logging.getLogger("distcomm.transport")
 
+#: Set when the program ends by an uncaught exception (api's exit teardown): the groups it still
+#: held are destroyed on the way out, so peers' messages for calls it never reached are expected,
+#: not a sign that the ranks' calls differed.
+ending_on_error = False
+
 _STAGING = 256 * 1024  # bytes read per recv when parsing frames
 _COPY_BYTES = 4096  # payloads up to this size are copied behind their header
 _BIG_BODY = 64 * 1024  # after a payload this large, the next header is read with ...
@@ -585,7 +590,7 @@ class TcpTransport:
                 return
             payloads, untaken = self._matcher.forget(group)
             self._linked.pop(group, None)
-            if untaken and group not in self._aborted:
+            if untaken and group not in self._aborted and not ending_on_error:
                 log.warning("rank %d destroyed a process group before taking what peers sent it "
                             "there (the ranks' calls differed): %s", self.rank, "; ".join(untaken))
             for data in payloads:
