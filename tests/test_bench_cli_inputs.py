@@ -136,7 +136,7 @@ def _write_fails(capsys, name: str, args: argparse.Namespace, d: str) -> None:
 
 def test_ft_json_write_failure_is_one_line(capsys, tmp_path):
     d, path = _gone(tmp_path)
-    args = parser("ft").parse_args(["--skip-overhead", "--skip-chaos", "--skip-startup", "--json", path])
+    args = parser("ft").parse_args(["--skip-overhead", "--skip-chaos", "--startup-runs", "1", "--json", path])
     _write_fails(capsys, "ft", args, d)
 
 
@@ -326,3 +326,51 @@ def test_debug_help_says_failures_use_their_own_ranks():
     text = " ".join(parser("debug").format_help().split())
     assert f"--failures always runs {debug.FAILURE_RANKS}" in text, text
     assert f"with {debug.FAILURE_RANKS} ranks whatever -n says" in text, text
+
+
+def test_ft_with_everything_skipped_says_so(capsys):
+    args = parser("ft").parse_args(["--skip-overhead", "--skip-chaos", "--skip-startup"])
+    assert ft.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "leave nothing to measure" in err, err
+
+
+# -- 5. a signal in the middle of a run --------------------------------------------------------
+
+
+@needs_mpi
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signalled_collectives_run_with_mpi_leaves_no_open_mpi_files(tmp_path, sig):
+    """bench collectives with an MPI side, stopped by a signal while MPI runs: Open MPI's session
+    directory (under TMPDIR) and its shared-memory segments are gone with it."""
+    import signal
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    proc = subprocess.Popen([sys.executable, "-m", "distcomm.cli", "bench", "collectives", "--backend", "mpi",
+                             "-n", "2", "--ops", "all_reduce", "--sizes", "8B..64MiB", "--iters", "20",
+                             "--repeat", "1", "--phases", "timing"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(f.startswith("ompi.") for f in _tree(tmp)):  # mpirun's session directory: MPI runs
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(getattr(signal, sig))
+    proc.wait(60)
+    deadline = time.monotonic() + 10
+    while _tree(tmp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _tree(tmp), _tree(tmp)
+    if os.path.isdir("/dev/shm"):
+        new = sorted(f for f in set(os.listdir("/dev/shm")) - shm_before
+                     if f.startswith(("sm_segment", "vader_segment", "distcomm-bench-mpi-")))
+        assert not new, new
+
+
+def _tree(path) -> list[str]:
+    """Every name under ``path``, recursively."""
+    return [name for _, dirs, files in os.walk(path) for name in dirs + files]

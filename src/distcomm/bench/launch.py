@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._args import add_json_option, add_positive, run_bench, write_json
+from ._procs import _die_with_parent
 
 PROG = "distcomm bench launch"
 
@@ -106,8 +107,11 @@ class _Job:
     """A launcher whose output lines are read with their arrival times."""
 
     def __init__(self, cmd: list[str], cwd: str) -> None:
+        # the launcher dies with this process (its workers then stop: they watch it), or a
+        # SIGKILLed benchmark would leave it and its workers waiting out _WAIT's sleep
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self.sel = selectors.DefaultSelector()
         self.partial: dict[int, bytes] = {}
         for pipe in (self.proc.stdout, self.proc.stderr):

@@ -40,9 +40,8 @@ import time
 from typing import Any
 
 from ..backends.mpi import MODES
-from ..pids import owned_tempdir
 from ._args import add_json_option, emit, positive
-from ._coll_mpi import find_mpirun, mpi_missing
+from ._coll_mpi import find_mpirun, mpi_missing, open_mpi_dirs
 from ._coll_report import size_text, time_text
 from ._procs import _child_env, _die_with_parent
 
@@ -222,17 +221,6 @@ def _kill_job(proc: subprocess.Popen, mark: str, wait: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _shm_dir(fallback: str) -> str:
-    """A directory of this run's own for Open MPI's shared-memory segments: in /dev/shm
-    (where Open MPI puts them by default) if it can, else ``fallback``."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        try:
-            return owned_tempdir("distcomm-bench-mpi-", dir="/dev/shm")  # (a killed run's: removed)
-        except OSError:
-            pass
-    return fallback
-
-
 def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seconds: float, mode: str,
                      timeout: float) -> dict[str, Any]:
     """Run the MPI job; return its results (raises RuntimeError with mpirun's output tail on failure).
@@ -245,19 +233,15 @@ def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seco
     assert mpirun is not None
     env = _child_env()
     env["DISTCOMM_MPI_COLLECTIVES"] = mode
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     config = {"sizes": list(sizes), "repeat": repeat, "block_seconds": block_seconds}
     load_start = list(os.getloadavg())
     t0 = time.monotonic()
-    tmp = owned_tempdir("distcomm-bench-mpi-")  # (a killed run's is removed by the next)
+    dirs = open_mpi_dirs(env)
+    tmp = dirs[0]
     try:
         out, log_path = os.path.join(tmp, "out.json"), os.path.join(tmp, "mpirun.log")
-        shm = _shm_dir(tmp)
         mark = secrets.token_hex(8)
-        env.update({"TMPDIR": tmp, RUN_MARK: mark, "OMPI_MCA_btl_sm_backing_directory": shm,
-                    "OMPI_MCA_osc_sm_backing_directory": shm})
+        env[RUN_MARK] = mark
         cmd = [mpirun, "--oversubscribe", "-n", str(nproc), sys.executable, "-m", __name__, out,
                json.dumps(config)]
         try:
@@ -272,8 +256,8 @@ def run_mpi_overhead(nproc: int, sizes: tuple[int, ...], repeat: int, block_seco
                 finally:
                     _kill_job(proc, mark)  # on a timeout (or Ctrl-C) the whole job; else any straggler
         finally:
-            if shm != tmp:
-                shutil.rmtree(shm, ignore_errors=True)
+            for d in dirs[1:]:
+                shutil.rmtree(d, ignore_errors=True)
         if code != 0 or not os.path.exists(out):
             with open(log_path, errors="replace") as f:
                 tail = " | ".join(line for line in f.read().splitlines()[-8:] if line.strip())

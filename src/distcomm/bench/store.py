@@ -36,11 +36,11 @@ import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..pids import owned_tempdir
 from ._args import add_json_option, add_positive, host_facts, reason, run_bench, write_json
 from ._procs import HelperError, Pool, gather, one_line
 
@@ -373,7 +373,7 @@ def run_store_benchmark(
         "environment": _environment(libs),
         "runs": runs,
     }
-    log_dir = tempfile.mkdtemp(prefix="distcomm-bench-")
+    log_dir = owned_tempdir("distcomm-bench-store-")  # (a SIGKILLed run's: removed)
     pool = Pool(log_dir, prepare=(_W + "prepare", (libs,)), prepare_timeout=max(300.0, config.timeout))
     bench = _StoreBench(pool, config, say)
     started = time.monotonic()
