@@ -746,15 +746,36 @@ def _uneven(n: int, src: int, dst: int) -> int:
     return (n + 2 * src + 3 * dst) % 5
 
 
+def _lopsided(n: int, src: int, dst: int, ws: int) -> int:
+    """Block sizes where the last rank sends and receives ``n`` everywhere, so that its own
+    splits are even, while the other pairs differ (``n`` plus more): the ranks' own splits
+    take different paths, which must agree on where each block is."""
+    return n if ws - 1 in (src, dst) else n + 1 + src + 2 * dst
+
+
+def _a2a_count(mode: str, n: int, src: int, dst: int, ws: int) -> int:
+    """Elements (or rows) ``src`` sends ``dst`` in the all_to_all cases of ``mode``."""
+    if mode in ("even", "splits"):
+        return n
+    return _lopsided(n, src, dst, ws) if mode.startswith("lopsided") else _uneven(n, src, dst)
+
+
+#: Elements of a lopsided all_to_all's larger blocks: more than one shared-memory round.
+LOPSIDED_BIG = 1 << 17
+
+
 def _all_to_all(c: Cases) -> None:
     rank, ws, rep = c.rank, c.ws, c.report
-    cases = [(d, n, even) for _, d, n in c.grid() for even in (True, False)]
-    cases += [("float32", c.large("float32") // ws // ws, True)]
-    for dtype, n, even in cases:
-        key = f"all_to_all/{dtype}/{n}/{'even' if even else 'uneven'}"
+    cases = [(d, n, mode) for _, d, n in c.grid() for mode in ("even", "uneven", "lopsided")]
+    cases += [("float32", c.large("float32") // ws // ws, "even"), ("int64", 0, "lopsided"),
+              ("int64", LOPSIDED_BIG, "lopsided-big")]
+    for dtype, n, mode in cases:
+        key = f"all_to_all/{dtype}/{n}/{mode}"
 
-        def count(src: int, dst: int, n=n, even=even) -> int:
-            return n if even else _uneven(n, src, dst)
+        def count(src: int, dst: int, n=n, mode=mode) -> int:
+            if mode == "lopsided-big":  # the last rank's blocks one element, the others' big
+                return 1 if ws - 1 in (src, dst) else n + src + dst
+            return _a2a_count(mode, n, src, dst, ws)
 
         def piece(src: int, dst: int, key=key, dtype=dtype, count=count) -> np.ndarray:
             return make(dtype, count(src, dst), src, f"{key}/{dst}")
@@ -768,14 +789,14 @@ def _all_to_all(c: Cases) -> None:
 
 def _all_to_all_single(c: Cases) -> None:
     rank, ws, rep = c.rank, c.ws, c.report
-    cases = [(d, n, mode) for _, d, n in c.grid() for mode in ("even", "splits", "uneven")]
+    cases = [(d, n, mode) for _, d, n in c.grid() for mode in ("even", "splits", "uneven", "lopsided")]
     cases += [("float32", c.large("float32") // ws // ws, "even"), ("int64", 7, "2d-uneven")]
     for dtype, rows, mode in cases:
         key = f"all_to_all_single/{dtype}/{rows}/{mode}"
         cols = 3 if mode.startswith("2d") else 1
 
         def count(src: int, dst: int, rows=rows, mode=mode) -> int:
-            return rows if mode in ("even", "splits") else _uneven(rows, src, dst)
+            return _a2a_count(mode, rows, src, dst, ws)
 
         def block(src: int, dst: int, key=key, dtype=dtype, cols=cols, count=count) -> np.ndarray:
             return make(dtype, count(src, dst) * cols, src, f"{key}/{dst}").reshape(-1, cols)

@@ -919,11 +919,15 @@ class ShmCollectives:
         """
         send, recv = _flat(send), _flat(recv)
         n, me = self.size, self.rank
+        lo = 0
         if n > 1 and send_counts == recv_counts and send_counts.count(send_counts[0]) == n:
+            # (this rank's own counts only: its peers may take the general path below, whose
+            # first round has the same layout; if one of them has more, this rank joins the rest)
             views = self._views(send.dtype)
-            if send.size <= len(views[me][0]):
-                self._alltoall_one_slot(send, recv, send_counts, views, deadline)
-                return
+            if send_counts[0] <= len(views[me][0]) // n:
+                if not self._alltoall_one_slot(send, recv, send_counts, views, deadline):
+                    return
+                lo = len(views[0][0]) // n
         s_off, r_off = offsets(send_counts), offsets(recv_counts)  # (np.cumsum: 10 us here)
         copy_into(recv[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]])  # (sizes checked by the group)
         if n == 1:
@@ -933,7 +937,6 @@ class ShmCollectives:
         others = self._others()
         # even splits of more than a round: the rest may be read from peers' send buffers
         even = self._even_block(send, send_counts, recv_counts, per)
-        lo = 0
         while True:
             q = self._begin()
             used = self._all_write(deadline)
@@ -980,14 +983,15 @@ class ShmCollectives:
             lo += per
 
     def _alltoall_one_slot(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int],
-                           views: list[list[np.ndarray]], deadline: Deadline) -> None:
+                           views: list[list[np.ndarray]], deadline: Deadline) -> bool:
         """An all_to_all of equal blocks that all fit one slot, in one phase: a rank copies its
         whole send buffer into its slot and reads its block from every slot (headers as the
         general path's first round: nothing more to come, no direct reads, split hashes)."""
-        me, c = self.rank, counts[0]
+        me, c, n = self.rank, counts[0], self.size
+        per = len(views[0][0]) // n  # block j at j * per, as in the general path's first round
         q = self._begin()
         used = self._all_write(deadline)
-        views[me][used[me]][: send.size] = send
+        views[me][used[me]][: n * per].reshape(n, per)[:, :c] = send.reshape(n, c)
         words = self._words[me][used[me]]
         words[0] = words[2] = 0
         words[4], words[5] = split_hashes(self._split_weights, counts, counts)
@@ -997,9 +1001,11 @@ class ShmCollectives:
         self._read_until(used[me], q)
         self._check_all(used, q, _ALLTOALL, None)
         self._check_splits(used)
-        lo, hi = me * c, me * c + c
-        for j in range(self.size):
+        lo, hi = me * per, me * per + c
+        for j in range(n):
             recv[j * c : j * c + c] = views[j][used[j]][lo:hi]
+        # a peer on the general path (its own counts differ) may have more for another rank
+        return any(self._words[j][used[j]][0] > 0 for j in range(n))
 
     def _check_splits(self, used: list[int]) -> None:
         """After the first round of an all_to_all (every rank's header seen): raise on every
