@@ -720,7 +720,10 @@ class Agent:
                 if not said:  # (no report follows)
                     _say(what)
                 return outcome
+        first = self._first_error(w, noticed)  # w failed because of another rank's error?
         if other is None and self.restarts < self.cfg.max_restarts and not self.store_lost:
+            if first is not None:
+                _say(_first_error_text(*first))
             self.restarts += 1
             self.attempt += 1
             _say(f"restarting the workers (restart {self.restarts} of {self.cfg.max_restarts})")
@@ -733,12 +736,9 @@ class Agent:
             report = [f"{what}; the job's store is gone, so the workers cannot restart"]
         else:
             report = [f"{what}; no restarts left (--max-restarts {self.cfg.max_restarts})"]
-        first = self._first_error(w, noticed)
-        if first is not None:  # w failed because of another rank's error: show that one
-            x, record = first
-            report.append(f"the first error was rank {x.spec.rank}'s (local rank {x.spec.local_rank}, "
-                          f"pid {x.pid}): {record['type']}: {record['message']}")
-            w = x
+        if first is not None:  # show that one
+            report.append(_first_error_text(*first))
+            w = first[0]
             tail = w.stderr.tail_text()
         if gone:
             ranks = f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}"
@@ -836,3 +836,9 @@ def _reason(e: BaseException) -> str:
         return cause.strerror or str(cause) or type(cause).__name__
     text = str(e)
     return text.rsplit(": ", 1)[-1] if ": " in text else text
+
+
+def _first_error_text(x: Worker, record: dict) -> str:
+    """The line naming the rank whose error the others' failures followed from."""
+    return (f"the first error was rank {x.spec.rank}'s (local rank {x.spec.local_rank}, pid {x.pid}): "
+            f"{record['type']}: {record['message']}")

@@ -375,7 +375,8 @@ class Control:
                 )
             if culprit >= 0 and culprit != self._global[by]:
                 raise DistBackendError(
-                    f"rank {culprit} failed, as {self._describe(by)} found and aborted the group"
+                    f"{self._describe(by)} aborted the group because of rank {culprit} (it died, or "
+                    "did not answer in time)"
                     + (f": {reason}" if reason else ""),
                     peer=culprit,
                 )
