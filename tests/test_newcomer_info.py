@@ -71,3 +71,21 @@ def test_info_never_prints_the_auth_token(monkeypatch):
     data = info.collect()
     assert data["env"]["DISTCOMM_AUTH_TOKEN"] == "(set, 12 characters; not shown)"
     assert "s3cret-value" not in info.render(data) + json.dumps(data)
+
+
+def test_info_flags_a_distcomm_variable_nothing_reads(monkeypatch):
+    """A misspelt (or imagined) DISTCOMM_* variable does nothing: info says so beside it."""
+    monkeypatch.setenv("DISTCOMM_BACKEND", "tcp")
+    monkeypatch.setenv("DISTCOMM_DEBUG", "DETAIL")
+    monkeypatch.setenv("DISTCOMM_ALLREDUCE_ALGO", "ring")  # a name the sources build, not spell
+    data = info.collect()
+    assert data["unknown_env"] == ["DISTCOMM_BACKEND"]
+    env_text = info.render(data).split("environment:", 1)[1]
+    assert "DISTCOMM_BACKEND=tcp   <- not a variable distcomm reads (a typo?)" in env_text
+    assert "DISTCOMM_DEBUG=DETAIL\n" in env_text + "\n"
+
+
+def test_every_distcomm_variable_the_code_reads_is_known():
+    known = info.known_variables()
+    missed = sorted(name for name in _variables_in_source() if name.startswith("DISTCOMM_") and name not in known)
+    assert not missed, missed

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import sys
@@ -195,6 +196,7 @@ def collect() -> dict[str, Any]:
         "open_files_hard_limit": hard,
         "somaxconn": _read("/proc/sys/net/core/somaxconn"),
         "env": {k: _shown(k, v) for k, v in sorted(os.environ.items()) if _relevant(k)},
+        "unknown_env": unknown_variables(dict(os.environ)),
     }
 
 
@@ -220,6 +222,31 @@ def _shown(name: str, value: str) -> str:
     if "TOKEN" in name and value:
         return f"(set, {len(value)} characters; not shown)"
     return value
+
+
+def known_variables() -> frozenset[str]:
+    """The ``DISTCOMM_*`` variables distcomm reads or sets: every such name its sources spell
+    out, and the per-collective algorithm choices (``DISTCOMM_ALLREDUCE_ALGO`` ...)."""
+    from .algorithms.select import ALGORITHMS, env_var
+
+    names = {env_var(c) for c in ALGORITHMS}
+    pattern = re.compile(r"DISTCOMM_[A-Z0-9_]*[A-Z0-9]")
+    root = os.path.dirname(os.path.abspath(__file__))
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    names.update(pattern.findall(f.read()))
+    return frozenset(names)
+
+
+def unknown_variables(env: dict[str, str]) -> list[str]:
+    """The ``DISTCOMM_*`` names in ``env`` that distcomm does not know (a typo, most likely)."""
+    own = [k for k in env if k.startswith("DISTCOMM_")]
+    if not own:
+        return []
+    known = known_variables()
+    return sorted(k for k in own if k not in known)
 
 
 def _relevant(name: str) -> bool:
@@ -285,7 +312,9 @@ def render(facts: dict[str, Any]) -> str:
               f"  listen backlog (somaxconn): {facts['somaxconn'] or 'unknown'}",
               "", "environment:"]
     env = facts["env"]
-    lines += [f"  {k}={v}" for k, v in env.items()] or ["  (none of the variables distcomm reads is set)"]
+    unknown = set(facts.get("unknown_env", ()))
+    lines += [f"  {k}={v}" + ("   <- not a variable distcomm reads (a typo?)" if k in unknown else "")
+              for k, v in env.items()] or ["  (none of the variables distcomm reads is set)"]
     return "\n".join(lines)
 
 
