@@ -119,6 +119,49 @@ def test_init_device_mesh_groups_slices_and_flatten(backend, shape):
         assert not bad, bad
 
 
+def _flattened_slices_rank(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    """torchtitan's HSDP shape: a flattened name sliced together with another dimension."""
+    init(rank, world_size, backend, port)
+    bad: list[str] = []
+    layout = np.arange(4).reshape(2, 1, 2)
+    mesh = dist.init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+    flat = mesh["dp_shard", "cp"]._flatten()
+    if flat.mesh.tolist() != layout[rank // 2].reshape(-1).tolist():
+        bad.append(f"flattened (dp_shard, cp) is {flat.mesh.tolist()}")
+    hsdp = mesh["dp_replicate", "dp_shard_cp"]
+    if hsdp.mesh.tolist() != [[0, 1], [2, 3]] or hsdp.mesh_dim_names != ("dp_replicate", "dp_shard_cp"):
+        bad.append(f"mesh['dp_replicate', 'dp_shard_cp'] is {hsdp!r}")
+    if hsdp.get_group("dp_replicate") is not mesh.get_group("dp_replicate") or \
+            hsdp.get_group("dp_shard_cp") is not flat.get_group():
+        bad.append("the sliced mesh's groups are not the root's and the flattened mesh's")
+    if list(hsdp.get_coordinate() or ()) != [rank // 2, rank % 2]:
+        bad.append(f"coordinate {hsdp.get_coordinate()}")
+    x = np.array([rank + 1.0])
+    dist.all_reduce(x, group=hsdp.get_group("dp_shard_cp"))
+    if x[0] != (3.0 if rank < 2 else 7.0):
+        bad.append(f"all_reduce over dp_shard_cp gave {x[0]}")
+    one = mesh["cp"]
+    if one._flatten() is not one:
+        bad.append("a 1-D mesh flattened under its own name is not itself")
+    try:
+        mesh["nope"]
+        bad.append("mesh['nope'] raised nothing")
+    except KeyError as e:  # as torch's (and a DistInputError)
+        if not isinstance(e, DistInputError) or "'nope' does not exist" not in str(e):
+            bad.append(f"mesh['nope'] raised {e!r}")
+    _expect_error(bad, lambda: mesh["dp_shard_cp", "dp_replicate"], "in its order")
+    _expect_error(bad, lambda: mesh["dp_shard_cp", "cp"], "distinct")
+    dist.barrier()
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flattened_dimensions_slice_with_the_others(backend):
+    for bad in run_world(_flattened_slices_rank, 4, backend, timeout=90):
+        assert not bad, bad
+
+
 def _partial_mesh_rank(rank: int, world_size: int, backend: str, port: int) -> list[str]:
     """A 1-D mesh of ranks 0..1 in a job of 3, and a mesh from an existing group."""
     init(rank, world_size, backend, port)

@@ -69,6 +69,10 @@ def _rank_array(mesh: Any, world_size: int) -> np.ndarray:
     return arr
 
 
+class MeshDimError(DistInputError, KeyError):
+    """A mesh dimension name that the mesh does not have (a ``KeyError`` too, as torch's)."""
+
+
 class DeviceMesh:
     """Ranks in an n-dimensional layout with a process group along each dimension.
 
@@ -88,6 +92,8 @@ class DeviceMesh:
         self._coordinate: list[int] | None = [int(c) for c in where[0]] if len(where) else None
         self._root: DeviceMesh = self
         self._flattened: dict[str, DeviceMesh] = {}
+        #: For a mesh made by ``_flatten``: the root's dimensions it joins (None: not known).
+        self._merged: tuple[int, ...] | None = None
         backends = self._backends(backend_override)
         self._groups: list[ProcessGroup] = []
         if self._coordinate is not None and _init_backend:
@@ -126,7 +132,7 @@ class DeviceMesh:
         ndim = self._mesh.ndim
         if isinstance(mesh_dim, str):
             if self.mesh_dim_names is None or mesh_dim not in self.mesh_dim_names:
-                raise DistInputError(
+                raise MeshDimError(
                     f"mesh dimension {mesh_dim!r} does not exist; this mesh's dimensions are "
                     f"{list(self.mesh_dim_names or range(ndim))}"
                 )
@@ -201,10 +207,11 @@ class DeviceMesh:
             names = (names,)
         if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names) or not names:
             raise DistTypeError(f"index a DeviceMesh with dimension names, got {names!r:.60}")
-        if len(names) == 1 and names[0] in self._root._flattened and (
-            self.mesh_dim_names is None or names[0] not in self.mesh_dim_names
-        ):
-            return self._root._flattened[names[0]]
+        flat = self._root._flattened
+        if any(n in flat and (self.mesh_dim_names is None or n not in self.mesh_dim_names) for n in names):
+            if len(names) == 1:
+                return flat[names[0]]
+            return self._root._with_flattened(names)
         if self.mesh_dim_names is None:
             raise DistInputError("this mesh has no mesh_dim_names; give them to index it by name")
         dims = [self._dim_index(n) for n in names]
@@ -219,6 +226,37 @@ class DeviceMesh:
         sub = DeviceMesh(self.device_type, self._mesh[tuple(index)], mesh_dim_names=names, _init_backend=False)
         sub._root = self._root
         sub._groups = [self._groups[d] for d in dims] if self._groups else []
+        return sub
+
+    def _with_flattened(self, names: tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh of the root (this mesh) through this rank along ``names``, some of
+        them made by ``_flatten`` (as torch's ``mesh["dp_replicate", "dp_shard_cp"]``): each
+        flattened name is one dimension joining the root dimensions it was made of."""
+        runs: list[tuple[int, ...]] = []
+        groups: list[ProcessGroup] = []
+        for n in names:
+            flat = self._flattened.get(n)
+            if flat is not None and (self.mesh_dim_names is None or n not in self.mesh_dim_names):
+                if flat._merged is None:
+                    raise DistInputError(f"{n!r} was flattened from a mesh that is not a slice of this "
+                                         "one; it can only be used alone")
+                runs.append(flat._merged)
+                groups.extend(flat._groups)
+            else:
+                d = self._dim_index(n)
+                runs.append((d,))
+                groups.extend(self._groups[d : d + 1])
+        dims = [d for run in runs for d in run]
+        if dims != sorted(set(dims)):
+            raise DistInputError(f"dimensions {names} must cover distinct dimensions of the mesh, in its "
+                                 f"order {self.mesh_dim_names}")
+        coord = self._member("sub-mesh")
+        index: list[Any] = [slice(None) if d in dims else coord[d] for d in range(self.ndim)]
+        shape = [int(np.prod([self._mesh.shape[d] for d in run])) for run in runs]
+        sub = DeviceMesh(self.device_type, self._mesh[tuple(index)].reshape(shape), mesh_dim_names=names,
+                         _init_backend=False)
+        sub._root = self
+        sub._groups = groups
         return sub
 
     def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
@@ -242,10 +280,15 @@ class DeviceMesh:
                     f"{known._mesh.tolist()}; choose another name"
                 )
             return known
+        if self.ndim == 1 and self.mesh_dim_names == (mesh_dim_name,):
+            return self  # a 1-D mesh flattened under its own name: itself (as torch's)
         if root.mesh_dim_names is not None and mesh_dim_name in root.mesh_dim_names:
             raise DistInputError(f"{mesh_dim_name!r} already names a dimension of the mesh; choose another name")
         flat = DeviceMesh(self.device_type, ranks, mesh_dim_names=(mesh_dim_name,), _init_backend=False)
         flat._root = root
+        if root.mesh_dim_names is not None and self.mesh_dim_names is not None and all(
+                n in root.mesh_dim_names for n in self.mesh_dim_names):
+            flat._merged = tuple(root.mesh_dim_names.index(n) for n in self.mesh_dim_names)
         flat._groups = [_group_of(ranks, None, f"mesh:{mesh_dim_name}")]
         root._flattened[mesh_dim_name] = flat
         return flat
