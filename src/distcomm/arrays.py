@@ -176,10 +176,11 @@ def as_array(obj: Any, *, writable: bool, what: str = "tensor") -> ArrayRef:
         return _from_ndarray(arr, obj, writable, what, "a contiguous buffer")
     if hasattr(type(obj), "__dlpack__"):
         return _from_ndarray(_from_dlpack(obj, what), obj, writable, what, "a contiguous array")
+    hint = ("; collectives write into their tensors, so wrap data with np.array(...) first, or call "
+            "distcomm.functional's form, which returns its result") if writable else ""
     raise DistTypeError(
         f"{what} must be a numpy.ndarray, a CPU torch.Tensor, a buffer (bytearray, "
-        f"array.array, memoryview, mmap) or a DLPack array, got {type(obj).__name__}; "
-        f"collectives write into their tensors, so wrap data with np.array(...) first"
+        f"array.array, memoryview, mmap) or a DLPack array, got {type(obj).__name__}{hint}"
     )
 
 
@@ -199,7 +200,9 @@ def _from_ndarray(
         )
     if writable and not flags.writeable:
         raise DistInputError(
-            f"{what} is read-only; collectives write their result into it, pass a writable array"
+            f"{what} is read-only; collectives write their result into it, pass a writable array "
+            f"(or, for an immutable array such as JAX's, call distcomm.functional's form, which "
+            f"returns the result)"
         )
     flat = arr if arr.ndim == 1 else arr.ravel()  # a view: arr is C-contiguous
     if not writable and flat.flags.writeable:
