@@ -661,6 +661,10 @@ def test_static_membership_takes_the_rdzv_endpoint_and_one_worker_keeps_its_thre
         "--node-rank 1 is ignored with --rdzv-endpoint (nodes are ranked as they join); "
         "--rdzv-backend static keeps the node ranks given"]
     assert config("--nnodes", "2", "--node-rank", "1").store_port == 29500
+    cfg = config("--standalone", "--rdzv-endpoint", "10.0.0.9:29400")  # ignored, and said so
+    assert cfg.store_host == "127.0.0.1" and cfg.notes == [
+        "--rdzv-endpoint 10.0.0.9:29400 is ignored with --standalone (it runs the job's store on this "
+        "machine, on --master-port or a free port)"]
     assert config("--run-path", "--no-python").argv[:2] == [sys.executable, "-u"]  # a Python file after all
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     for n, want in ((1, "None"), (2, "1")):  # torchrun sets it only when workers share the node

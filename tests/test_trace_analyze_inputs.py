@@ -6,6 +6,7 @@ Fast and in-process: hand-written dumps in ``tmp_path``, the CLI through ``distc
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -206,3 +207,13 @@ def test_a_stray_file_with_a_rank_outside_the_world_is_skipped(tmp_path, capsys)
     assert rc == 0 and "2 ranks; dumps from ranks 0, 1\n" in out, out
     warnings = [ln for ln in out.splitlines() if ln.startswith("warning:")]
     assert warnings == ["warning: left out rank5.json: it says the world has 8 ranks where the other dumps say 2"], out
+
+
+def test_a_fifo_named_like_a_dump_is_skipped_not_waited_on(tmp_path, capsys):
+    """open() of a FIFO blocks until a writer comes: the analysis would wait for ever."""
+    _good(tmp_path)
+    os.mkfifo(tmp_path / "rank1.json")
+    rc, out, err = _run(capsys, tmp_path)
+    assert rc == 0, err
+    assert "warning: cannot read rank1.json: not a regular file" in out, out
+    assert GOOD_TEXT in out

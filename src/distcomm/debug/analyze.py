@@ -121,8 +121,12 @@ def load(directory: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
     errors: list[str] = []
     found: list[tuple[str, dict[str, Any]]] = []
     for name in names:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):  # (a FIFO would block the open for ever; a directory cannot be one)
+            errors.append(f"cannot read {name}: not a regular file")
+            continue
         try:
-            with open(os.path.join(directory, name)) as f:
+            with open(path) as f:
                 found.append((name, _checked(json.load(f))))
         except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad dump, bad UTF-8
             errors.append(f"cannot read {name}: {e}")

@@ -387,6 +387,9 @@ def to_config(args: argparse.Namespace) -> RunConfig:
         if nnodes != (1, 1):
             raise UsageError(f"--standalone runs one node; got --nnodes {args.nnodes}")
         host, port, host_store, node_rank = "127.0.0.1", args.master_port or 0, "yes", 0
+        if args.rdzv_endpoint:
+            notes.append(f"--rdzv-endpoint {args.rdzv_endpoint} is ignored with --standalone (it runs "
+                         "the job's store on this machine, on --master-port or a free port)")
     elif args.rdzv_endpoint and args.rdzv_backend != "static":
         # (port 0 on one node: a free port, as torchrun's --standalone, which this is)
         host, port = _endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT, free_port=nnodes == (1, 1))
