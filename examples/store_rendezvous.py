@@ -23,7 +23,7 @@ def worker(rank: int, world_size: int, url: str) -> None:
         arrived = store.add("arrived", 1)
         store.wait([f"where/{r}" for r in range(world_size)])
         if rank == 0:
-            print(f"{world_size} ranks met through {url} (rank 0 arrived as number {arrived}):")
+            print(f"{world_size} rank{'s' if world_size != 1 else ''} met through {url} (rank 0 arrived as number {arrived}):")
             for r, where in enumerate(store.multi_get([f"where/{r}" for r in range(world_size)])):
                 print(f"  rank {r}: {where.decode()}")
         store.set(f"done/{rank}", "1")

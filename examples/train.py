@@ -138,7 +138,8 @@ def main() -> None:
             took = time.perf_counter() - start
             verdict = "identical on every rank" if same[0] else "DIFFERENT across ranks"
             ranks = f"{world} rank{'s' if world > 1 else ''}"
-            print(f"{ranks}, {args.epochs} epochs in {took:.1f} s; weights {verdict}", flush=True)
+            print(f"{ranks}, {args.epochs} epoch{'s' if args.epochs != 1 else ''} in {took:.1f} s; "
+                  f"weights {verdict}", flush=True)
         if not same[0]:
             raise SystemExit(1)
     finally:

@@ -52,7 +52,7 @@ def test_training_that_diverges_says_so():
 def test_one_rank_alone_trains_and_agrees_with_itself():
     out = _run(TRAIN, "--epochs", "1", "--samples", "256")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip().splitlines()[-1].startswith("1 rank, 1 epochs in ")
+    assert out.stdout.strip().splitlines()[-1].startswith("1 rank, 1 epoch in ")
     assert out.stdout.strip().endswith("weights identical on every rank")
 
 

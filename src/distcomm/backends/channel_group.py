@@ -596,7 +596,9 @@ class _RequestWork(Work):
                     f"it waits for {self._peers()}",
                     op=self.op, group=self.group, timeout=seconds,
                 ) from None
-            self._fail(DistTimeoutError(f"{self.op} waited {seconds:g} s for {self._peers()}",
+            hint = (" to receive it (if that rank is itself blocked sending to this one, both wait: "
+                    "post one side with isend/irecv first)") if self.op == "send" else ""
+            self._fail(DistTimeoutError(f"{self.op} waited {seconds:g} s for {self._peers()}{hint}",
                                         timeout=seconds, peer=self._peer_rank()))
         except BaseException as e:  # noqa: BLE001 - kept and re-raised through Work
             self._fail(e)
