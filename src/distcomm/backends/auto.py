@@ -180,6 +180,7 @@ class HierarchicalProcessGroup(ChannelProcessGroup):
         check_connections(self.transport, ranks, what)  # the others: their connections
 
     def _cancel_pending(self, cause: BaseException) -> None:
+        self._warn_undelivered()  # (its point-to-point sends go over the group of all, as its own)
         for part in self._parts:
             part._cancel_pending(cause)
 

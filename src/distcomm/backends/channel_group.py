@@ -10,9 +10,11 @@ Point-to-point calls post straight to the channel, off the executor.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +31,8 @@ from ..memcopy import copy_into
 from ..reduce_op import FINALIZED, finalize, mark_of, op_combiner
 from ..transport.base import COLLECTIVE_CODES, MAX_P2P_TAG, Channel, Request, coded_seq, p2p_tag
 from ..work import DistFuture, Work, wait_seconds
+
+log = logging.getLogger("distcomm.group")
 
 __all__ = ["ChannelProcessGroup"]
 
@@ -167,10 +171,31 @@ class ChannelProcessGroup(ProcessGroup):
         self._staging = _Staging()
         self.algorithms = algorithms or ChannelAlgorithms(channel, self._staging)
         self._futures = _FutureDriver(group_name)
+        #: Sends under way: (request, its Work (weakly), group rank, bytes); see _warn_undelivered.
+        self._sends: deque[tuple[Request, Any, int, int]] = deque()
 
     # -- lifecycle hooks ----------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
+        self._warn_undelivered()
         self.channel.cancel(cause)
+
+    def _warn_undelivered(self) -> None:
+        """Warn of this group's sends that nobody waited for and that did not arrive (at
+        destroy: they are lost, and nothing else would say so on this side)."""
+        lost = []
+        for req, ref, peer, n in self._sends:
+            work = ref()
+            if (work is None or not work.waited) and (not req.done() or req.error is not None):
+                lost.append((peer, n))
+        self._sends.clear()
+        if lost and self._broken is None:
+            peers = sorted({self.ranks[p] for p, _ in lost})
+            many = len(lost) > 1
+            log.warning(
+                "group %r destroyed with %d undelivered send%s that nobody waited for (to rank%s %s, "
+                "%d bytes): %s lost; wait for an isend's Work (or use send) before destroying the "
+                "group", self.group_name, len(lost), "s" if many else "", "s" if len(peers) > 1 else "",
+                ", ".join(map(str, peers)), sum(n for _, n in lost), "they are" if many else "it is")
 
     def _abort_transport(self, cause: BaseException) -> None:
         self.channel.abort(cause)
@@ -533,7 +558,20 @@ class ChannelProcessGroup(ProcessGroup):
         wire = self._check_tag(tag)
         self.check_usable()
         req = self.channel.isend(dst, wire, ref.bytes())
-        return _RequestWork(self, "send", req, dst, tensor, ref, tag)
+        work = _RequestWork(self, "send", req, dst, tensor, ref, tag)
+        sends = self._sends  # sends under way, to tell at destroy of those nobody waited for
+        while sends and sends[0][0].done() and sends[0][0].error is None:
+            sends.popleft()
+        if not req.done():
+            sends.append((req, weakref.ref(work), dst, ref.nbytes))
+        return work
+
+    def _sent(self, req: Request) -> None:
+        """A send's Work was waited for: forget it (and the array its request holds)."""
+        for entry in self._sends:
+            if entry[0] is req:
+                self._sends.remove(entry)
+                return
 
     def recv(self, tensor: Any, src: int | None, tag: int = 0) -> Work:
         if src is not None:
@@ -577,7 +615,14 @@ class _RequestWork(Work):
                                      _rec.STARTED, peer)
             self._entry.append(weakref.ref(self))  # a dump tells done-but-never-waited from pending
 
+    #: Whether the program waited for it (see ChannelProcessGroup._warn_undelivered).
+    waited = False
+
     def wait(self, timeout: Any = None) -> bool:
+        if not self.waited:
+            self.waited = True
+            if self.op == "send":
+                self._pg._sent(self._req)
         if not self._done.is_set():
             limit = wait_seconds(timeout)
             seconds = self._pg.timeout if limit is None else limit
