@@ -378,6 +378,23 @@ def test_a_file_left_by_a_killed_user_is_refused_at_once(path):
         assert store.num_keys() == 0
 
 
+@pytest.mark.timeout(60)
+def test_a_killed_user_of_a_job_still_running_is_replaced(path):
+    """While another user still has the file open (a replica group whose rank crashed and is
+    restarted), the dead user is forgotten and the new one joins the live job's keys."""
+    with FileStore(path, 2) as live:
+        live.set("the live job's", "keys")
+        p = SPAWN.Process(target=_open_and_die, args=(path,))
+        p.start()
+        p.join(30)
+        assert p.exitcode == -9
+        with FileStore(path, 2, timeout=5) as again:  # the restarted rank: not refused, not over world_size
+            assert again.get("the live job's") == b"keys"
+            assert again.get("from the crashed run") == b"stale"  # (the job's own keys, as it left them)
+        assert live.get("the live job's") == b"keys"
+    assert not os.path.exists(path)  # the last user out removed it: the dead one no longer counted
+
+
 def test_reopen_after_the_file_was_removed(path):
     with FileStore(path) as store:
         store.set("old", "1")

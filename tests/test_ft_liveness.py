@@ -297,3 +297,26 @@ def test_a_lighthouse_that_comes_up_late_costs_the_first_step_nothing():
         starter.join()
         for lh in late:
             lh.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_a_freeze_that_ended_before_the_step_is_not_the_steps_silence():
+    """After a freeze, the main thread may start the next step (mark_silence) before the
+    heartbeat thread beats again: that beat's gap lies before the step and must not make
+    the step look silent (its vote was discarded while every peer committed)."""
+    from distcomm.ft.lighthouse_client import LighthouseClient
+
+    with LighthouseThread(min_replicas=1, heartbeat_timeout=2.0) as lh:
+        client = LighthouseClient(lh.address, "frozen", heartbeat_interval=0.25)
+        try:
+            with client._cv:
+                client._last_beat -= 4.0  # frozen for 4 s, just resumed
+            client.mark_silence()  # start_quorum of the next step, before the heartbeat thread ran
+            client._note_beat()  # the heartbeat thread's first beat after the freeze
+            assert client.longest_silence() < 1.0
+            with client._cv:  # a freeze during the step still counts: no beat for 3 s of it
+                client._last_beat -= 3.0
+                client._silence_mark -= 3.0
+            assert client.longest_silence() >= 3.0
+        finally:
+            client.close()

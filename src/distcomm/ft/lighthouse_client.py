@@ -73,6 +73,7 @@ class LighthouseClient:
         self._longest_silence = 0.0  # the longest gap between heartbeats since mark_silence()
         self._connect(Deadline(connect_timeout))
         self._last_beat = time.monotonic()  # (the wait for the lighthouse to come up is no silence)
+        self._silence_mark = self._last_beat  # mark_silence(): gaps before it do not count
         self._reader = threading.Thread(target=self._read_loop, name="distcomm-ft-lighthouse", daemon=True)
         self._reader.start()
         self._beater = threading.Thread(target=self._heartbeat_loop, name="distcomm-ft-heartbeat",
@@ -236,20 +237,23 @@ class LighthouseClient:
     def _note_beat(self) -> None:
         now = time.monotonic()
         with self._cv:
-            self._longest_silence = max(self._longest_silence, now - self._last_beat)
+            # only the part of the gap after mark_silence() counts: a freeze that ended before
+            # the step began (the heartbeat thread not having run since) is not this step's
+            self._longest_silence = max(self._longest_silence, now - max(self._last_beat, self._silence_mark))
             self._last_beat = now
 
     def mark_silence(self) -> None:
         """Start measuring this process's longest silence towards the lighthouse afresh."""
         with self._cv:
             self._longest_silence = 0.0
+            self._silence_mark = time.monotonic()
 
     def longest_silence(self) -> float:
         """The longest time without a heartbeat since :meth:`mark_silence` (the current gap
         included): a process frozen (SIGSTOP, swapped out) longer than the lighthouse's
         heartbeat timeout may have been declared dead meanwhile, and its peers gone on."""
         with self._cv:
-            return max(self._longest_silence, time.monotonic() - self._last_beat)
+            return max(self._longest_silence, time.monotonic() - max(self._last_beat, self._silence_mark))
 
     # -- the public surface -------------------------------------------------------------
     def quorum(self, step: int, commit_id: str, address: dict, need_reconfigure: bool,

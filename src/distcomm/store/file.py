@@ -298,11 +298,18 @@ class FileStore(Store):
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if self._is_current(fd):
                     self._sync(fd, exclusive=True)
-                    dead = self._dead_users()
+                    dead, live = self._local_users()
+                    if dead and live:
+                        # a crashed member of a job that still runs (a restarted replica, a
+                        # relaunched worker): forget the dead, the keys are the live job's
+                        records = [_record(DELETE, key) for key, _ in dead]
+                        users = max(0, self._users() - len(records))
+                        self._commit(fd, _batch(_record(SET, USERS_KEY, str(users).encode()), *records))
+                        dead = []
                     if dead:
                         raise DistInputError(
                             f"FileStore {self._path!r} was left behind by a run that did not close "
-                            f"it (process {dead[0]} on this machine used it and has exited, a "
+                            f"it (process {dead[0][1]} on this machine used it and has exited, a "
                             "crashed job?): its keys are that run's; delete the file before "
                             "reusing the path"
                         )
@@ -336,12 +343,13 @@ class FileStore(Store):
         fst = os.fstat(fd)
         return (st.st_ino, st.st_dev) == (fst.st_ino, fst.st_dev)
 
-    def _dead_users(self) -> list[int]:
-        """Pids of this machine's users of the file whose process has exited without closing."""
+    def _local_users(self) -> tuple[list[tuple[str, int]], list[int]]:
+        """This machine's users of the file: the keys and pids of those whose process exited
+        without closing, and the pids of those still running (this process's handles too)."""
         from ..pids import exited
 
         here = self._here
-        dead = []
+        dead, live = [], []
         for key in self._data:
             if key.startswith(here):
                 try:
@@ -349,8 +357,10 @@ class FileStore(Store):
                 except ValueError:
                     continue
                 if pid != os.getpid() and exited(pid):
-                    dead.append(pid)
-        return dead
+                    dead.append((key, pid))
+                else:
+                    live.append(pid)
+        return dead, live
 
     def _users(self) -> int:
         try:
