@@ -543,6 +543,44 @@ def test_distcomm_groups_under_a_gloo_default_group():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(mine)], "files left in /dev/shm"
 
 
+def _gloo_default_failure_rank(rank: int, ws: int, port: int) -> str | None:
+    """A distcomm group of global ranks 1 and 2 under a gloo default group, whose two members
+    call different collectives: the error this rank got."""
+    _init("gloo", rank, ws, port)
+    try:
+        g = tdist.new_group([1, 2], backend="distcomm")
+        error = None
+        if rank:
+            error = "no error"
+            try:
+                if rank == 1:
+                    tdist.all_reduce(torch.ones(4), group=g)
+                else:
+                    tdist.all_gather_into_tensor(torch.zeros(8), torch.ones(4), group=g)
+            except Exception as e:  # noqa: BLE001 - what torch passes on
+                error = f"{type(e).__name__}: {e}"
+        tdist.barrier()  # (on gloo: rank 0 hosts the store)
+        return error
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_distcomm_group_under_gloo_names_global_ranks_and_dumps_by_them(tmp_path):
+    """Errors name the peer by its global rank (not its rank in the group), and the flight
+    recorder's dumps are rank<R>.json files that `distcomm trace analyze` reads."""
+    from distcomm.debug.analyze import load
+
+    env = {"DISTCOMM_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    errors = run_ranks(_gloo_default_failure_rank, 3, free_port(), timeout=90, env=env)
+    assert errors[0] is None
+    assert "rank 2 (group rank 1)" in errors[1], errors
+    assert "rank 1 (group rank 0)" in errors[2], errors
+    dumps = sorted(p.name for p in tmp_path.rglob("*.json"))
+    assert dumps == ["rank1.json", "rank2.json"], dumps
+    found, problems = load(str(next(tmp_path.rglob("rank1.json")).parent))
+    assert sorted(found) == [1, 2] and not problems, problems
+
+
 def _debugging_rank(rank: int, ws: int, port: int) -> dict:
     import signal
 

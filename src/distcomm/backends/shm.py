@@ -143,7 +143,9 @@ class ShmProcessGroup(ChannelProcessGroup):
         starts, end = slot_layout(ctl_bytes, slot, 2 * size)
 
         def describe(r: int) -> str:
-            return describe_rank(ranks, r, shown)
+            # self.ranks, read when an error is made: a world made for a torch group under
+            # another default backend learns its members' global ranks after construction
+            return describe_rank(getattr(self, "ranks", ranks), r, shown)
 
         self._segment: Segment | None = None
         self._control: Control | None = None

@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as tdist
 
 from ..backend_registry import resolve_backend
+from ..debug import flight_recorder
 from ..debug import hooks as _debug
 from ..group import ProcessGroup
 from ._group import BACKEND_NAME, SUPPORTED_DEVICES, DistcommProcessGroup
@@ -58,11 +59,36 @@ def _seconds(timeout: Any) -> float:
     return seconds if seconds > 0 else 1800.0
 
 
+#: distcomm worlds made for torch groups while torch's default group is on another backend
+#: (gloo): while any lives, the flight recorder knows this process by its torch global rank.
+_foreign: set[int] = set()
+
+
+def _follow_torch_world(world: _World) -> None:
+    """torch's default group is on another backend, so no distcomm world set this process's
+    place in the job: take torch's global rank and world size, so that flight recorder dumps
+    are ``rank<R>.json`` (with the rank in them) that ``distcomm trace analyze`` reads."""
+    with _lock:
+        first = not _foreign
+        _foreign.add(id(world))
+    if not first or flight_recorder._state["rank"] is not None:
+        return
+    try:
+        rank, size = tdist.get_rank(), tdist.get_world_size()
+    except Exception:  # noqa: BLE001 - debugging aids never stop a job
+        return
+    flight_recorder.set_world(rank, size, flight_recorder.run_id_from_env())
+
+
 def _close_world(world: _World) -> None:
     global _world
     with _lock:
         if _world is world:
             _world = None
+        last = id(world) in _foreign and len(_foreign) == 1
+        _foreign.discard(id(world))
+    if last and _world is None:
+        flight_recorder.set_world(None, None, None)
     if world.default:
         _debug.world_ended()
     else:
@@ -129,6 +155,7 @@ def _create(opts: Any, backend_options: Any = None) -> DistcommProcessGroup:
                 _world = new
         else:
             new.pg.ranks = ranks
+            _follow_torch_world(new)
         return DistcommProcessGroup(new.pg, on_shutdown=lambda: _close_world(new))
     _, factory = resolve_backend(world.backend, "auto")
     started = time.monotonic()
