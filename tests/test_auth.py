@@ -126,7 +126,7 @@ def test_unauthenticated_clients_are_refused_logged_and_harm_nobody(master, toke
         logged = "unauthenticated connection refused"
     else:
         assert "could not prove it knows this job's token" in str(info.value)
-        logged = "left during authentication"
+        logged = "closed during authentication"
     deadline = time.monotonic() + 5
     while not any(logged in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
         time.sleep(0.01)

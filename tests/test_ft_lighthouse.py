@@ -85,6 +85,30 @@ def test_heartbeat_timeout_and_duplicate_ids():
     assert err is None and lh.history[-1]["kind"] == "recovery"
 
 
+def test_departed_replicas_are_forgotten_and_a_lost_state_is_said_loudly(monkeypatch):
+    """Ids of replicas long gone and in no quorum leave the table (a job restarting its replicas
+    under new ids kept every one); a quorum that starts below the step its predecessor reached
+    (every replica holding that state gone) is a failure event, not only a quorum line."""
+    from distcomm.ft import lighthouse as lh_mod
+
+    lh = Lighthouse(min_replicas=1, join_timeout=0.1, heartbeat_timeout=0.01)
+    _ids(_join(lh, "a", step=0))
+    lh.heartbeat(lh.replicas["a"], {"step": 50})  # it trained on
+    lh.died(lh.replicas["a"], "killed")
+    monkeypatch.setattr(lh_mod, "FORGET_AFTER", 0.0)
+    time.sleep(0.15)  # ten heartbeat timeouts
+    sent = _join(lh, "b", step=0)  # a fresh replica, from scratch
+    assert _ids(sent) == ["b"]
+    assert "a" not in lh.replicas  # dead, and in no quorum any more
+    lost = [e for e in lh.history if e["kind"] == "failure" and "starts from step 0" in e["text"]]
+    assert lost and "had reached step 50" in lost[0]["text"] and "progress is lost" in lost[0]["text"]
+    for i in range(20):  # replicas that come and go under new ids
+        r, err = lh.register({"replica_id": f"tmp{i}", "instance": "x"}, None)
+        lh.leave(r)
+        time.sleep(0.15)
+    assert len(lh.replicas) <= 2, sorted(lh.replicas)
+
+
 # -- over the network -----------------------------------------------------------------------
 def test_unreachable_lighthouse_is_a_clear_error():
     port = free_port()

@@ -58,6 +58,9 @@ TICK = 0.05
 WAITING_NOTICE_EVERY = 1.0
 #: Events kept for the status page.
 HISTORY = 200
+#: Seconds after which a replica that died or left, and is in no quorum, is forgotten (at least
+#: ten heartbeat timeouts): a job whose replicas come back under new ids keeps a bounded table.
+FORGET_AFTER = 300.0
 MAX_LINE = 1 << 20
 
 
@@ -170,7 +173,16 @@ class Lighthouse:
         else:
             self.event("join", rid, f"replica {rid} registered (pid {r.pid} on {r.host}, step {r.step})")
         self.replicas[rid] = r
+        self._forget_departed(now)
         return r, None
+
+    def _forget_departed(self, now: float) -> None:
+        """Drop replicas dead or gone for :data:`FORGET_AFTER` that no quorum holds."""
+        after = max(FORGET_AFTER, 10 * self.heartbeat_timeout)
+        held = {m["replica_id"] for m in self.quorum["members"]} if self.quorum else set()
+        for rid in [rid for rid, r in self.replicas.items()
+                    if not r.alive and rid not in held and now - r.last_heartbeat > after]:
+            del self.replicas[rid]
 
     def heartbeat(self, r: Replica, msg: dict) -> None:
         r.last_heartbeat = time.monotonic()
@@ -305,6 +317,10 @@ class Lighthouse:
         prev = [(m["replica_id"], m["instance"]) for m in self.quorum["members"]] if self.quorum else None
         fresh = any((r.request or {}).get("need_reconfigure") for r in members)
         changed = prev != ids or fresh
+        before = 0  # the furthest step the previous quorum's members reached (heartbeats say it)
+        for m in self.quorum["members"] if self.quorum else ():
+            cur = self.replicas.get(m["replica_id"])
+            before = max(before, cur.step if cur is not None and cur.instance == m["instance"] else m["step"])
         if changed:
             self.quorum_id += 1
         self.quorums_issued += 1
@@ -321,8 +337,14 @@ class Lighthouse:
         }
         if changed:
             why = "a member asked for a fresh group" if prev == ids else "membership changed"
+            top = max(r.step for r in members)
             self.event("quorum", None, f"quorum {self.quorum_id}: {[r.replica_id for r in members]} "
-                                       f"(max step {max(r.step for r in members)}; {why})")
+                                       f"(max step {top}; {why})")
+            if top < before:
+                self.event("failure", None,
+                           f"quorum {self.quorum_id} starts from step {top}, but the previous quorum "
+                           f"had reached step {before}: every replica holding its state is gone, so "
+                           "that training progress is lost (restore it from a checkpoint)")
         out = []
         for r in members:
             req = (r.request or {}).get("req")
@@ -332,6 +354,7 @@ class Lighthouse:
             out.append((r, {"op": "quorum", "req": req, "quorum": self.quorum}))
         self.issued_at = time.monotonic()
         self.waiting_reason = ""
+        self._forget_departed(self.issued_at)
         return out
 
     def status(self) -> dict:

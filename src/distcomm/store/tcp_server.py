@@ -348,7 +348,7 @@ class StoreServer:
             return
         if not data:
             if conn.challenge is not None:
-                self._refuse(conn, "left during authentication (its token is not this server's?)")
+                self._refuse(conn, "closed during authentication (a different token, or the client exited)")
             self._drop(conn)
             return
         if conn.rbuf:
