@@ -117,6 +117,13 @@ def _default_root(pg: ProcessGroup) -> int:
     return ranks.index(0) if 0 in ranks else 0
 
 
+def _rooted(pg: ProcessGroup, rank: int | None, group_rank: int | None, what: str) -> int:
+    """The root of ``gather``/``scatter`` as a rank of ``pg``: the one given, else the default."""
+    if rank is None and group_rank is None:
+        group_rank = _default_root(pg)
+    return _group_rank(pg, rank, group_rank, what)
+
+
 def _ret(work: Work, async_op: bool) -> Work | None:
     return work if async_op else None
 
@@ -299,9 +306,7 @@ def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int | None = 
     if pg is None:
         return None
     try:
-        if dst is None and group_dst is None:
-            group_dst = _default_root(pg)
-        root = _group_rank(pg, dst, group_dst, "dst")
+        root = _rooted(pg, dst, group_dst, "dst")
         return _ret(pg.gather(tensor, gather_list, root, async_op), async_op)
     except _REFUSALS as e:
         pg.refused("gather", e)
@@ -317,9 +322,7 @@ def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int | None 
     if pg is None:
         return None
     try:
-        if src is None and group_src is None:
-            group_src = _default_root(pg)
-        root = _group_rank(pg, src, group_src, "src")
+        root = _rooted(pg, src, group_src, "src")
         return _ret(pg.scatter(tensor, scatter_list, root, async_op), async_op)
     except _REFUSALS as e:
         pg.refused("scatter", e)

@@ -384,9 +384,7 @@ def gather(x: Any, dst: int | None = None, group: ProcessGroup | None = None,
     if pg is None:
         return None
     inp = _input(x)
-    if dst is None and group_dst is None:
-        group_dst = _c._default_root(pg)
-    root = _c._group_rank(pg, dst, group_dst, "dst")
+    root = _c._rooted(pg, dst, group_dst, "dst")
     if pg.rank() != root:
         _c.gather(inp.flat, None, group=pg, group_dst=root)
         return None
@@ -410,9 +408,7 @@ def scatter(xs: Any = None, src: int | None = None, group: ProcessGroup | None =
     pg = _pg(group)
     if pg is None:
         return None
-    if src is None and group_src is None:
-        group_src = _c._default_root(pg)
-    root = _c._group_rank(pg, src, group_src, "src")
+    root = _c._rooted(pg, src, group_src, "src")
     n = pg.size()
     header: list[Any] = [None]
     blocks: list[np.ndarray] = []
