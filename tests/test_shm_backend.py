@@ -280,6 +280,37 @@ def test_all_reduce_takes_one_phase_up_to_the_size_set_for_the_group_size(world_
 
 
 
+def _sizes_set_per_rank(rank: int, world_size: int, port: int) -> list[str]:
+    """Round and one-phase sizes set differently on each rank: rank 0's count, results right."""
+    os.environ["DISTCOMM_SHM_SLOT_BYTES"] = "4096" if rank == 0 else str(512 * 1024)
+    os.environ["DISTCOMM_SHM_SMALL_BYTES"] = str(64 * 1024 * (rank + 1))
+    dist.init_process_group("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    bad = []
+    try:
+        for n in (1000, 100_000, 300_000, 600_000):
+            x = np.full(n, rank + 1, np.float32)
+            dist.all_reduce(x)
+            if not np.all(x == world_size * (world_size + 1) / 2):
+                bad.append(f"all_reduce of {n}")
+            y = np.arange(n, dtype=np.int32) if rank == 0 else np.zeros(n, np.int32)
+            dist.broadcast(y, src=0)
+            if not np.array_equal(y, np.arange(n)):
+                bad.append(f"broadcast of {n}")
+            out = np.zeros(n * world_size, np.int32)
+            dist.all_gather_into_tensor(out, np.full(n, rank, np.int32))
+            if not np.array_equal(out, np.repeat(np.arange(world_size, dtype=np.int32), n)):
+                bad.append(f"all_gather_into_tensor of {n}")
+    finally:
+        dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sizes_set_differently_on_each_rank_follow_rank_0(world_size):
+    for bad in run_ranks(_sizes_set_per_rank, world_size, free_port(), timeout=90):
+        assert not bad, bad
+
+
 def test_no_slot_has_its_data_at_the_start_of_a_page():
     """Copies from a slot whose data starts a page into NumPy's large arrays (16 bytes into
     theirs) are at the slow distance of distcomm.memcopy: the layout skips that offset."""

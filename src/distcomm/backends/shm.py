@@ -136,11 +136,6 @@ class ShmProcessGroup(ChannelProcessGroup):
         """``shown``: for a part of a larger group (``auto``'s machines), each member's rank in
         that group, which errors name."""
         self.local_ranks = local_ranks
-        rounds = round_bytes()
-        small = one_phase_bytes(size)
-        slot = max(rounds, (small + LINE - 1) // LINE * LINE + HEADER)
-        ctl_bytes = (control_bytes(size) + LINE - 1) // LINE * LINE
-        starts, end = slot_layout(ctl_bytes, slot, 2 * size)
 
         def describe(r: int) -> str:
             # self.ranks, read when an error is made: a world made for a torch group under
@@ -155,15 +150,23 @@ class ShmProcessGroup(ChannelProcessGroup):
         channel = None
         try:
             heaps = self._open_heaps(store, rank, size, ranks, group_name, timeout)
+            token, probe = probe_token()
+            # pids, probes, and the sizes of a round and of a one-phase all_reduce: rank 0's
+            # sizes count (every rank must lay the segment out alike and cut large collectives
+            # alike: a root moving 4 KiB per round to a peer expecting 512 KiB gave the peer
+            # stale slot bytes, silently)
+            mine = f"{os.getpid()} {probe if cma_wanted() else '-'} {round_bytes()} {one_phase_bytes(size)}"
+            seen = [s.split(" ") for s in all_gather_strings(store, rank, size, "pids", mine, timeout)]
+            pids = [int(s[0]) for s in seen]
+            rounds, small = int(seen[0][2]), int(seen[0][3])
+            slot = max(rounds, (small + LINE - 1) // LINE * LINE + HEADER)
+            ctl_bytes = (control_bytes(size) + LINE - 1) // LINE * LINE
+            starts, end = slot_layout(ctl_bytes, slot, 2 * size)
             self._segment = open_shared(store, rank, size, "coll", end, timeout)
             mem = self._segment.buf
             self._control = Control(mem[:ctl_bytes], rank, size, describe, local_ranks, ranks)
-            token, probe = probe_token()
-            mine = f"{os.getpid()} {probe if cma_wanted() else '-'}"
-            seen = [s.split(" ", 1) for s in all_gather_strings(store, rank, size, "pids", mine, timeout)]
-            pids = [int(pid) for pid, _ in seen]
             self._control.watch(dict(enumerate(pids)))
-            reader = self._agree_on_reader(store, rank, size, pids, [p for _, p in seen], describe, ranks, timeout)
+            reader = self._agree_on_reader(store, rank, size, pids, [s[1] for s in seen], describe, ranks, timeout)
             del token  # every peer has probed it (the agreement above waited for all)
             slots = [
                 [np.frombuffer(mem, np.uint8, slot, starts[2 * r + b]) for b in (0, 1)]
