@@ -22,7 +22,7 @@ passes raises :class:`~distcomm.errors.DistTimeoutError`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..deadline import Deadline
@@ -343,3 +343,20 @@ def wait_all(requests: Iterable[Request], deadline: Deadline) -> None:
     """
     for r in requests:
         r.wait(deadline)
+
+
+#: Progress passes of transports without a progress thread (shared memory's point-to-point
+#: channels move data only while some thread of the process waits on distcomm): a thread
+#: waiting on another transport runs them, so an ``isend`` of such a channel goes on while its
+#: process waits elsewhere (over TCP, say).  Each returns whether it still had work.
+idle_progress: list[Callable[[], bool]] = []
+#: Seconds a waiting thread sleeps at most between such passes while one has work.
+IDLE_NAP = 0.001
+
+
+def run_idle_progress() -> bool:
+    """One pass of every :data:`idle_progress` function; whether any had work."""
+    busy = False
+    for progress in idle_progress:
+        busy = progress() or busy
+    return busy

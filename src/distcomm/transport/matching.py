@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ from .base import (
     CLASHING,
     EAGER_STEP,
     EARLIER,
+    IDLE_NAP,
     LAST_STEP,
     Request,
     against,
@@ -42,7 +44,9 @@ from .base import (
     call_text,
     clashes,
     cut_text,
+    idle_progress,
     is_eager,
+    run_idle_progress,
     stale_text,
     tag_clash_text,
     tag_code,
@@ -138,10 +142,15 @@ class _Done(Request):
             if sleeper is None:
                 sleeper = self._sleeper = threading.Lock()
                 sleeper.acquire()
-        if sleeper.acquire(timeout=max(0.0, timeout)):
-            sleeper.release()  # let other sleepers through too
-            return True
-        return self._set
+        end = time.monotonic() + max(0.0, timeout)
+        while True:  # in short naps while another transport's data waits for this process to move it
+            left = end - time.monotonic()
+            nap = min(left, IDLE_NAP) if idle_progress and run_idle_progress() else left
+            if sleeper.acquire(timeout=max(0.0, nap)):
+                sleeper.release()  # let other sleepers through too
+                return True
+            if nap >= left:
+                return self._set
 
     def wait(self, deadline: Deadline) -> None:
         if not self._set:

@@ -72,6 +72,7 @@ from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError, DistTimeoutError
 from ..store.base import Store
 from .base import Channel, Request, byte_view, orphaned_error, receive_view, tag_text
+from .base import idle_progress as base_idle_progress
 from .shm_segment import Segment, open_shared
 from .shm_sync import NAP, PROGRESS_NAP, _PeerWatch, futex_wait, futex_wake, wait_budget
 
@@ -108,6 +109,14 @@ def _progress_channels(skip: ShmChannel | None) -> bool:
             ch._poke()
             busy = True
     return busy
+
+
+def _progress_all() -> bool:
+    """:func:`_progress_channels` of every channel, for a thread waiting on another transport."""
+    return bool(_OPEN_CHANNELS) and _progress_channels(None)
+
+
+base_idle_progress.append(_progress_all)
 
 
 #: Bytes of each ring (``DISTCOMM_SHM_RING_BYTES``; rank 0's value is used).

@@ -60,7 +60,17 @@ from ..store.base import Store
 from ..store.exchange import missing_ranks_error
 from ..store.watched import CHECK_EVERY, watch_of
 from . import tcp_wire as w
-from .base import Channel, Request, collective_tag, is_eager, orphaned_error, receive_view
+from .base import (
+    IDLE_NAP,
+    Channel,
+    Request,
+    collective_tag,
+    idle_progress,
+    is_eager,
+    orphaned_error,
+    receive_view,
+    run_idle_progress,
+)
 from .matching import (
     EAGER_BYTES,
     SENT,
@@ -1479,7 +1489,8 @@ class TcpTransport:
                     left = deadline.remaining()
                     if left <= 0:
                         return
-                    events = poller.poll(min(left, _HELP_POLL) * 1000)
+                    nap = IDLE_NAP if idle_progress and run_idle_progress() else _HELP_POLL
+                    events = poller.poll(min(left, nap) * 1000)
                 for efd, ev in events:
                     if efd == fd:
                         if ev & select.POLLOUT:
