@@ -120,4 +120,4 @@ def test_train_example_joins_a_job_started_by_mpirun():
              for r in range(2)]
     outs = [p.communicate(timeout=100) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert "2 ranks, 1 epochs" in outs[0][0] and outs[1][0] == "", outs
+    assert "2 ranks, 1 epoch in" in outs[0][0] and outs[1][0] == "", outs
