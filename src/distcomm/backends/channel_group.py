@@ -171,8 +171,9 @@ class ChannelProcessGroup(ProcessGroup):
         self._staging = _Staging()
         self.algorithms = algorithms or ChannelAlgorithms(channel, self._staging)
         self._futures = _FutureDriver(group_name)
-        #: Sends under way: (request, its Work (weakly), group rank, bytes); see _warn_undelivered.
-        self._sends: deque[tuple[Request, Any, int, int]] = deque()
+        #: Sends under way that nobody waited for yet: (request, group rank, bytes); see
+        #: _warn_undelivered (a wait forgets its send: _sent).
+        self._sends: deque[tuple[Request, int, int]] = deque()
 
     # -- lifecycle hooks ----------------------------------------------------------------
     def _cancel_pending(self, cause: BaseException) -> None:
@@ -182,11 +183,7 @@ class ChannelProcessGroup(ProcessGroup):
     def _warn_undelivered(self) -> None:
         """Warn of this group's sends that nobody waited for and that did not arrive (at
         destroy: they are lost, and nothing else would say so on this side)."""
-        lost = []
-        for req, ref, peer, n in self._sends:
-            work = ref()
-            if (work is None or not work.waited) and (not req.done() or req.error is not None):
-                lost.append((peer, n))
+        lost = [(peer, n) for req, peer, n in self._sends if not req.done() or req.error is not None]
         self._sends.clear()
         if lost and self._broken is None:
             peers = sorted({self.ranks[p] for p, _ in lost})
@@ -563,7 +560,7 @@ class ChannelProcessGroup(ProcessGroup):
         while sends and sends[0][0].done() and sends[0][0].error is None:
             sends.popleft()
         if not req.done():
-            sends.append((req, weakref.ref(work), dst, ref.nbytes))
+            sends.append((req, dst, ref.nbytes))
         return work
 
     def _sent(self, req: Request) -> None:
@@ -615,14 +612,9 @@ class _RequestWork(Work):
                                      _rec.STARTED, peer)
             self._entry.append(weakref.ref(self))  # a dump tells done-but-never-waited from pending
 
-    #: Whether the program waited for it (see ChannelProcessGroup._warn_undelivered).
-    waited = False
-
     def wait(self, timeout: Any = None) -> bool:
-        if not self.waited:
-            self.waited = True
-            if self.op == "send":
-                self._pg._sent(self._req)
+        if self.op == "send":
+            self._pg._sent(self._req)
         if not self._done.is_set():
             limit = wait_seconds(timeout)
             seconds = self._pg.timeout if limit is None else limit

@@ -58,6 +58,7 @@ order, so a payload written before ``tail`` is visible to whoever sees ``tail``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -111,12 +112,7 @@ def _progress_channels(skip: ShmChannel | None) -> bool:
     return busy
 
 
-def _progress_all() -> bool:
-    """:func:`_progress_channels` of every channel, for a thread waiting on another transport."""
-    return bool(_OPEN_CHANNELS) and _progress_channels(None)
-
-
-base_idle_progress.append(_progress_all)
+base_idle_progress.append(functools.partial(_progress_channels, None))  # (a thread waiting on TCP)
 
 
 #: Bytes of each ring (``DISTCOMM_SHM_RING_BYTES``; rank 0's value is used).
