@@ -115,6 +115,30 @@ def test_mpi_backend_refuses_a_worker_of_a_launcher_run_inside_an_mpi_job(tmp_pa
     assert lines[1:] == ["MPI imported: False"]
 
 
+LEFTOVER_IMPORT = """
+from mpi4py import MPI  # a leftover import: MPI starts here, a world of this process alone
+""" + MPI_INIT
+
+
+@pytest.mark.timeout(90)
+def test_mpi_backend_refuses_distcomm_run_workers_whose_mpi_world_is_their_own(tmp_path):
+    """``distcomm run`` workers that import mpi4py.MPI before ``init_process_group("mpi")``
+    are each a one-process MPI world (no MPI launcher started them): refused with the rank
+    the launcher gave and MPI's, instead of every worker silently being rank 0 of 1."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(LEFTOVER_IMPORT))
+    env = _clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                     OMPI_MCA_btl="self", PYTHONUNBUFFERED="1")
+    out = _run([sys.executable, "-m", "distcomm.cli", "run", "--standalone", "--nproc-per-node",
+                "2", str(prog)], env, str(tmp_path), timeout=80)
+    assert out.returncode == 0, out.stdout + out.stderr
+    refused = sorted(line for line in out.stdout.splitlines() if "refused: " in line)
+    assert len(refused) == 2 and "initialised: rank" not in out.stdout, out.stdout + out.stderr
+    for rank, line in enumerate(refused):
+        assert f"distcomm run or torchrun started this process as rank {rank} of 2" in line
+        assert "made it a world of its own (rank 0 of 1)" in line and "mpirun -n 2" in line
+
+
 @pytest.mark.timeout(30)
 def test_mpi_backend_lets_through_a_worker_whose_rank_is_mpis(fake_env):
     """The relaunch check passes a process whose RANK/WORLD_SIZE are the MPI job's own (a

@@ -506,6 +506,30 @@ def _check_job(rank: int, world_size: int, mpi_rank: int, mpi_size: int) -> None
         )
 
 
+def _launched_as() -> tuple[str, str, str] | None:
+    """(rank, size, launcher) that ``distcomm run``, torchrun or ``spawn`` gave this process,
+    or None if none of them started it."""
+    env = os.environ
+    if not (env.get("TORCHELASTIC_RUN_ID") or env.get("DISTCOMM_USE_AGENT_STORE")):
+        return None
+    rank, size = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
+    if not (rank and size):
+        return None
+    return rank, size, "distcomm run or torchrun" if env.get("TORCHELASTIC_RUN_ID") else "distcomm.spawn"
+
+
+def _refuse_other_world(launched: tuple[str, str, str], mpi_rank: Any, mpi_size: Any,
+                        why: str) -> None:
+    """DistInputError unless MPI numbers this process as its launcher did."""
+    rank, size, who = launched
+    if (rank, size) != (str(mpi_rank).strip(), str(mpi_size).strip()):
+        raise DistInputError(
+            f"backend 'mpi': {who} started this process as rank {rank} of {size}, but {why} "
+            f"(rank {mpi_rank} of {mpi_size}); backend 'mpi' needs the MPI launcher to start "
+            f"every process (mpirun -n {size} python ...), or use backend 'auto' under {who}"
+        )
+
+
 def _check_not_relaunched() -> None:
     """Refuse, before MPI is initialised, a process that another launcher (``distcomm run``,
     ``torchrun``, ``spawn``) started inside an MPI job: it inherited the MPI variables of the
@@ -513,24 +537,29 @@ def _check_not_relaunched() -> None:
     it the same MPI rank, in overlapping worlds), while the launcher gave it a rank of its own."""
     from ..launch import env_mpich, env_openmpi
 
+    launched = _launched_as()
+    if launched is None:
+        return
     env = os.environ
-    if not (env.get("TORCHELASTIC_RUN_ID") or env.get("DISTCOMM_USE_AGENT_STORE")):
-        return
-    rank, size = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
     for launcher in (env_openmpi, env_mpich):
-        if not launcher.present(env):
-            continue
-        mpi_rank, mpi_size = env[launcher.LAUNCHER.rank_var], env[launcher.LAUNCHER.size_var]
-        if rank and size and (rank, size) != (mpi_rank.strip(), mpi_size.strip()):
-            who = "distcomm run or torchrun" if env.get("TORCHELASTIC_RUN_ID") else "distcomm.spawn"
-            raise DistInputError(
-                f"backend 'mpi': {who} started this process as rank {rank} of {size}, but it "
-                f"carries the {launcher.NAME} variables of the process that started {who} "
-                f"(rank {mpi_rank} of {mpi_size}), so MPI would count it as that process; "
-                f"backend 'mpi' needs the MPI launcher to start every process "
-                f"(mpirun -n {size} python ...), or use backend 'auto' under {who}"
-            )
-        return
+        if launcher.present(env):
+            _refuse_other_world(
+                launched, env[launcher.LAUNCHER.rank_var], env[launcher.LAUNCHER.size_var],
+                f"it carries the {launcher.NAME} variables of the process that started "
+                f"{launched[2]}, so MPI would count it as that process")
+            return
+
+
+def _check_launched_by_mpi(mpi_rank: int, mpi_size: int) -> None:
+    """Refuse a process that ``distcomm run``, torchrun or ``spawn`` started whose MPI world,
+    now initialised, is another: MPI was started before :func:`_check_not_relaunched` could
+    look (a leftover ``from mpi4py import MPI`` makes each worker a one-process world of its
+    own), and every worker would silently be rank 0 of 1."""
+    launched = _launched_as()
+    if launched is not None:
+        _refuse_other_world(launched, mpi_rank, mpi_size,
+                            "MPI, initialised without an MPI launcher (for example by an "
+                            "import of mpi4py.MPI), made it a world of its own")
 
 
 def _node(rt: MpiRuntime, comm: Any, deadline: Deadline) -> tuple[int, int]:
@@ -608,6 +637,7 @@ class MpiBackend(BackendFactory):
         comm = rt.world(deadline)
         mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
         _check_job(rank, world_size, mpi_rank, mpi_size)
+        _check_launched_by_mpi(mpi_rank, mpi_size)
         local_rank, local_size = _node(rt, comm, deadline)
         _set_local_env(local_rank, local_size)
         return _job_store(rt, comm, timeout, local_size == mpi_size), mpi_rank, mpi_size
