@@ -61,7 +61,9 @@ except Exception as e:
 
 
 #: After the test cuts the network, both ranks wait on each other: in a collective, or in
-#: point-to-point receives (which send nothing on their own).
+#: point-to-point receives (which send nothing on their own). In "grant" and "payload" rank 1
+#: sends rank 0 a large message from the start: rank 0 posts its receive only after the cut
+#: ("grant": the send waits for its grant), or at once over a slow link, cut mid-payload.
 SILENT_PROG = """
 import os, sys, time
 from datetime import timedelta
@@ -72,13 +74,18 @@ rank = int(os.environ["RANK"])
 dist.init_process_group(os.environ["BACKEND"], timeout=timedelta(seconds=120))
 x = np.ones(3)
 dist.all_reduce(x)
+large = mode in ("grant", "payload")
+if large:
+    x = np.ones((1 << 20) if mode == "grant" else (16 << 20), np.uint8)
 open(os.path.join(d, "ready" + os.environ["RANK"]), "w").close()
-while not os.path.exists(os.path.join(d, "cut")):
+while (not large or (mode == "grant" and rank == 0)) and not os.path.exists(os.path.join(d, "cut")):
     time.sleep(0.05)
 t0 = time.monotonic()
 try:
     if mode == "collective":
         dist.all_reduce(x)
+    elif large and rank == 1:
+        dist.send(x, dst=0)
     else:
         dist.recv(x, src=1 - rank)
     print("OK", flush=True)
@@ -279,16 +286,23 @@ def test_launcher_store_errors_say_what_is_wrong(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend, mode", [("tcp", "collective"), ("tcp", "p2p"), ("auto", "collective")])
+@pytest.mark.parametrize("backend, mode", [("tcp", "collective"), ("tcp", "p2p"), ("auto", "collective"),
+                                           ("tcp", "grant"), ("tcp", "payload"), ("auto", "payload")])
 def test_a_peer_host_gone_silent_fails_the_wait_naming_it(hosts, tmp_path, backend, mode):
     """The network between the machines drops every packet while both ranks wait on each other:
     each fails within seconds, naming the other (DISTCOMM_TCP_USER_TIMEOUT=2), instead of at
-    the group timeout (120 s here, 30 min by default), as it did before."""
+    the group timeout (120 s here, 30 min by default), as it did before. So does a rank whose
+    large send waits for its grant, or whose receive's payload is on its way (neither has
+    anything of its own unacknowledged: they waited for the group timeout before)."""
     ns, addrs, link, _ = hosts
     prog = tmp_path / "silent.py"
     prog.write_text(textwrap.dedent(SILENT_PROG))
     common = dict(MASTER_ADDR=addrs[0], MASTER_PORT=str(free_port()), WORLD_SIZE="2", BACKEND=backend,
                   DISTCOMM_TCP_USER_TIMEOUT="2")
+    devs = (link, "fb" + link[2:])  # (the veth pair's ends in A and B, see the hosts fixture)
+    if mode == "payload":  # 16 MiB at 20 Mbit/s: about 7 s on the way
+        assert ip("netns", "exec", ns[1], "tc", "qdisc", "add", "dev", devs[1], "root", "tbf", "rate",
+                  "20mbit", "burst", "32kbit", "latency", "400ms").returncode == 0
     procs = [
         subprocess.Popen(
             ["ip", "netns", "exec", ns[rank], sys.executable, str(prog), str(tmp_path), mode],
@@ -297,9 +311,10 @@ def test_a_peer_host_gone_silent_fails_the_wait_naming_it(hosts, tmp_path, backe
         )
         for rank in (0, 1)
     ]
-    devs = (link, "fb" + link[2:])  # (the veth pair's ends in A and B, see the hosts fixture)
     try:
         _wait_for("both ranks ready", lambda: all((tmp_path / f"ready{r}").exists() for r in (0, 1)), procs)
+        if mode in ("grant", "payload"):
+            time.sleep(1)  # the send waits for its grant / is on its way
         # each machine now sends the other's packets to a MAC address nobody has: they vanish,
         # with the links and routes up (a link set down would answer "network unreachable")
         for i in (0, 1):

@@ -255,6 +255,7 @@ class _Peer:
         self.writer: threading.Thread | None = None
         self.grants: dict[tuple[int, int], int] = {}
         self.waiting: dict[tuple[int, int], deque[SendRequest]] = {}
+        self.busy_ticks = 0  # ticks a payload from it, or a grant for a send to it, is awaited
         self.rbuf = bytearray(_STAGING)
         self.rview = memoryview(self.rbuf)
         self.rhave = 0
@@ -921,7 +922,8 @@ class TcpTransport:
                     wait = DEFER_CHECK if wait < 0 else min(wait, DEFER_CHECK)
                 now = time.monotonic()
                 if now >= tick:  # (a wake-up a tick, also when idle: posting stays syscall-free)
-                    if self._matcher.posts:
+                    if self._matcher.posts or (self._user_timeout and any(
+                            p.body is not None or p.waiting for p in list(self._peers.values()))):
                         self._tell_calls()
                     tick = now + CALL_TICK
                 wait = tick - now if wait < 0 else min(wait, tick - now)
@@ -981,6 +983,17 @@ class TcpTransport:
             for peer in self._matcher.silent_waits(CALL_EVERY) if self._user_timeout else ():
                 p = self._peers.get(peer)
                 if p is not None and p.state == "up":  # an empty PAD: only for its acknowledgement
+                    self._queue(p, _Out(w.HEADER.pack(w.PAD, 0, 0, 0), None, None))
+                    told.append(p)
+            # A receive whose payload is arriving (no longer posted) and a send waiting for its
+            # grant wait on a peer too: probe it, or a network cut mid-payload waits until the
+            # group timeout (nothing of this rank's is left unacknowledged to trip the timeout).
+            for p in list(self._peers.values()) if self._user_timeout else ():
+                if p.state != "up" or (p.body is None and not p.waiting):
+                    p.busy_ticks = 0
+                    continue
+                p.busy_ticks += 1
+                if p.busy_ticks % CALL_EVERY == 2 % CALL_EVERY and p not in told:
                     self._queue(p, _Out(w.HEADER.pack(w.PAD, 0, 0, 0), None, None))
                     told.append(p)
         for p in told:
