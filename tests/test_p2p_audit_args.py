@@ -4,8 +4,8 @@
   once (it used to wait out the group timeout and break the group);
 - sending to yourself on a subgroup names your global rank (it printed the
   group rank as if it were ``dst``);
-- ``batch_isend_irecv`` checks every op's peer before it posts any (a bad
-  last op used to leave the earlier sends under way, their Works lost).
+- ``batch_isend_irecv`` checks every op's peer, tensor and tag before it posts
+  any (a bad last op used to leave the earlier sends under way, their Works lost).
 """
 
 from __future__ import annotations
@@ -61,14 +61,19 @@ def test_sending_to_yourself_on_a_subgroup_names_your_global_rank(backend):
     assert message.startswith("dst=2 (group rank 1) is this rank"), message
 
 
-def _bad_last_op(rank: int, world_size: int, backend: str, port: int) -> dict:
+def _bad_last_op(rank: int, world_size: int, backend: str, port: int, bad: str) -> dict:
     with process_group(rank, world_size, backend, port):
         out: dict = {}
         if rank == 0:
-            ops = [dist.P2POp(dist.isend, np.full(2, 7.0), 1), dist.P2POp(dist.isend, np.zeros(2), 0)]
+            readonly = np.zeros(2)
+            readonly.flags.writeable = False
+            last = {"peer": dist.P2POp(dist.isend, np.zeros(2), 0),
+                    "strided": dist.P2POp(dist.isend, np.zeros((2, 2))[:, 0], 1),
+                    "readonly": dist.P2POp(dist.irecv, readonly, 1),
+                    "tag": dist.P2POp(dist.isend, np.zeros(2), 1, tag=-1)}[bad]
             try:
-                dist.batch_isend_irecv(ops)
-            except dist.DistInputError as e:
+                dist.batch_isend_irecv([dist.P2POp(dist.isend, np.full(2, 7.0), 1), last])
+            except (dist.DistInputError, dist.DistTypeError) as e:
                 out["error"] = str(e)
             dist.send(np.full(2, 1.0), 1)  # the first message rank 1 gets must be this one
         elif rank == 1:
@@ -78,8 +83,13 @@ def _bad_last_op(rank: int, world_size: int, backend: str, port: int) -> dict:
         return out
 
 
+@pytest.mark.parametrize("bad, said", [("peer", "peer 0 is this rank"), ("strided", "contiguous"),
+                                       ("readonly", "read-only"), ("tag", "tag must be an int in [0, ")])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_batch_isend_irecv_checks_every_peer_before_it_sends(backend):
-    results = run_world(_bad_last_op, 2, backend, timeout=60)
-    assert "peer 0 is this rank" in results[0]["error"], results[0]
+def test_batch_isend_irecv_checks_every_op_before_it_sends(backend, bad, said):
+    """A batch whose last op is refused (its peer, tensor or tag) sends nothing: the next
+    message from that rank is the next one it sends (a bad tensor or tag used to be found
+    after the first send was posted, whose data the next receive then took)."""
+    results = run_world(_bad_last_op, 2, backend, bad, timeout=60)
+    assert said in results[0]["error"] and results[0]["error"].startswith("P2POp("), results[0]
     assert results[1]["got"] == [1.0, 1.0], "the batch's first send went out before the error"

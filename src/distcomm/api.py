@@ -317,6 +317,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if group is not None and group is not world.default:
         if group is GroupMember.NON_GROUP_MEMBER:
             return
+        if not isinstance(group, ProcessGroup):
+            raise DistTypeError(f"group must be a distcomm ProcessGroup or None, got {type(group).__name__}")
         group.shutdown()
         with world.lock:
             world.groups.pop(group.group_name, None)
@@ -618,7 +620,9 @@ def _check_ranks(ranks: Any, world_size: int, sort: bool = True) -> list[int]:
     except TypeError:
         raise DistTypeError(f"ranks must be a list of ints, got {ranks!r:.80}") from None
     for r in members:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise DistTypeError(f"ranks must be a list of ints, got {type(r).__name__} {r!r} in {ranks!r:.80}")
+        if not 0 <= r < world_size:
             raise DistInputError(f"rank {r!r} in ranks is not in [0, {world_size})")
     if len(set(members)) != len(members):
         raise DistInputError(f"ranks lists a rank twice: {ranks!r}")
@@ -636,6 +640,10 @@ def new_subgroups_by_enumeration(
 ) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
     """Create one group per list of ranks; return (this rank's group, all groups)."""
     world = _require_world()
+    if not isinstance(ranks_per_subgroup_list, (list, tuple)) or not all(
+            isinstance(r, (list, tuple, range)) for r in ranks_per_subgroup_list):
+        raise DistTypeError("ranks_per_subgroup_list must be a list of lists of ranks, got "
+                            f"{ranks_per_subgroup_list!r:.80}")
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
         overlap = seen.intersection(ranks)

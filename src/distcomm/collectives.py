@@ -26,7 +26,8 @@ from .deadline import Timeout, to_seconds
 from .debug import monitored_barrier as _monitored
 from .errors import DistInputError, DistTypeError
 from .group import ProcessGroup
-from .reduce_op import ReduceOp
+from .reduce_op import ReduceOp, check_op
+from .transport.base import check_p2p_tag
 from .work import Work
 
 #: Errors that refuse a call's arguments before it is issued (see ProcessGroup.refused).
@@ -188,11 +189,17 @@ def all_reduce_coalesced(tensors: list[Any], op: ReduceOp = ReduceOp.SUM,
     Tensors that share memory (one tensor twice, overlapping views) are reduced as torch
     reduces them: packed into one buffer, reduced once, copied back in list order (this
     waits for the result even with ``async_op``)."""
-    if isinstance(tensors, (list, tuple)) and len(tensors) > 1 and _may_overlap(tensors):
-        if _member(group) is None:
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 1:
+        pg = _member(group)
+        if pg is None:
             return None
-        refs = [as_array(t, writable=True, what=f"tensors[{i}]") for i, t in enumerate(tensors)]
-        if _overlap(refs):
+        try:  # every entry checked before the first is reduced: a refusal leaves all untouched
+            refs = [as_array(t, writable=True, what=f"tensors[{i}]") for i, t in enumerate(tensors)]
+            for r in refs:
+                check_op(op, r.dtype, "op")
+        except _REFUSALS as e:
+            pg.refused("all_reduce", e)
+        if _may_overlap(tensors) and _overlap(refs):
             return _all_reduce_packed(refs, op, group, async_op)
     return _each(tensors, "tensors", lambda t, a: all_reduce(t, op, group, a), async_op)
 
@@ -268,6 +275,23 @@ def all_gather_coalesced(output_tensor_lists: list[list[Any]], input_tensor_list
             "all_gather_coalesced needs a list of output lists and a list of inputs of the same length"
         )
     pairs = list(zip(output_tensor_lists, input_tensor_list, strict=True))
+    pg = _member(group)
+    if pg is None:
+        return None
+    try:  # every pair checked before the first is gathered: a refusal leaves all outputs untouched
+        for i, (outs, inp) in enumerate(pairs):
+            if not isinstance(outs, (list, tuple)):
+                raise DistTypeError(f"output_tensor_lists[{i}] must be a list of tensors, got {type(outs).__name__}")
+            if len(outs) != pg.size():
+                raise DistInputError(f"output_tensor_lists[{i}] has {len(outs)} tensors; expected one per "
+                                     f"rank of the group ({pg.size()})")
+            dtype = as_array(inp, writable=False, what=f"input_tensor_list[{i}]").dtype
+            for j, o in enumerate(outs):
+                if as_array(o, writable=True, what=f"output_tensor_lists[{i}][{j}]").dtype != dtype:
+                    raise DistTypeError(f"output_tensor_lists[{i}][{j}] is not {dtype}, the dtype of "
+                                        f"input_tensor_list[{i}]")
+    except _REFUSALS as e:
+        pg.refused("all_gather", e)
     return _each(pairs, "input_tensor_list", lambda p, a: all_gather(p[0], p[1], group, a), async_op)
 
 
@@ -539,6 +563,13 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
             if peer == pg.rank():
                 raise DistInputError(f"{p!r}: peer {pg.ranks[peer]} is this rank; a rank cannot "
                                      "send to or receive from itself")
+            # the tensor and tag too: a refusal after the first op was posted would leave its
+            # message in flight, for the next exchange with that peer to receive
+            as_array(p.tensor, writable=p.op is irecv, what=f"{p!r}: tensor")
+            try:
+                check_p2p_tag(p.tag)
+            except DistInputError as e:
+                raise DistInputError(f"{p!r}: {e}") from None
         peers.append(peer)
     works = []
     for p, peer in zip(p2p_op_list, peers, strict=True):

@@ -29,7 +29,7 @@ from ..errors import DistBackendError, DistInputError, DistTimeoutError, DistTyp
 from ..group import ProcessGroup, describe_rank
 from ..memcopy import copy_into
 from ..reduce_op import FINALIZED, finalize, mark_of, op_combiner
-from ..transport.base import COLLECTIVE_CODES, MAX_P2P_TAG, Channel, Request, coded_seq, p2p_tag
+from ..transport.base import COLLECTIVE_CODES, Channel, Request, check_p2p_tag, coded_seq
 from ..work import DistFuture, Work, wait_seconds
 
 log = logging.getLogger("distcomm.group")
@@ -589,9 +589,7 @@ class ChannelProcessGroup(ProcessGroup):
 
     @staticmethod
     def _check_tag(tag: Any) -> int:
-        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_P2P_TAG:
-            raise DistInputError(f"tag must be an int in [0, {MAX_P2P_TAG}], got {tag!r}")
-        return p2p_tag(tag)
+        return check_p2p_tag(tag)
 
 
 class _RequestWork(Work):

@@ -29,7 +29,7 @@ from ..deadline import Deadline
 from ..errors import DistBackendError, DistInputError, DistTypeError
 
 __all__ = [
-    "Channel", "Request", "collective_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
+    "Channel", "Request", "collective_tag", "check_p2p_tag", "p2p_tag", "tag_text", "byte_view", "wait_all", "MAX_P2P_TAG",
     "EAGER_STEP", "LAST_STEP", "is_eager", "cut_text", "orphaned_error", "COLLECTIVE_CODES", "COLLECTIVE_NAMES", "coded_seq",
     "tag_code", "clashes", "clash_text", "tag_clash_text", "call_of", "CALL_MASK", "CALL_SPACE_MASK",
     "against", "EARLIER", "CLASHING", "call_text", "stale_text", "call_clash_text", "root_mark", "REDUCTIONS",
@@ -224,6 +224,14 @@ def collective_tag(seq: int, step: int) -> int:
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"collective step {step} out of range [0, {MAX_STEP}]")
     return _COLLECTIVE | ((seq & ((1 << 38) - 1)) << _SEQ_SHIFT) | step
+
+
+def check_p2p_tag(tag: Any) -> int:
+    """The wire tag of a user's point-to-point ``tag``, or a DistInputError saying what is
+    allowed."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_P2P_TAG:
+        raise DistInputError(f"tag must be an int in [0, {MAX_P2P_TAG}], got {tag!r}")
+    return tag
 
 
 def p2p_tag(tag: int) -> int:
