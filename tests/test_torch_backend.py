@@ -682,3 +682,37 @@ def test_a_callback_running_as_the_program_exits_finishes_first(tmp_path):
     results = _two_torch_ranks(tmp_path, _EXIT_IN_A_CALLBACK, str(tmp_path / "done{rank}"))
     assert [code for code, _, _ in results] == [3, 0], results
     assert (tmp_path / "done0").exists(), results  # the callback ran to its end
+
+
+def _held_group_rank(rank: int, ws: int, port: int) -> str:
+    """Destroy every group while the program still holds one (two pretend machines, so its
+    groups run over TCP); then try to listen on the port of torch's store (rank 0 hosts it)."""
+    import socket
+
+    os.environ["DISTCOMM_HOST_ID"] = f"machine{rank}"
+    _init("distcomm", rank, ws, port)
+    held = tdist.new_group()
+    t = torch.ones(1)
+    tdist.all_reduce(t, group=held)
+    tdist.destroy_process_group(held)
+    tdist.barrier()
+    tdist.destroy_process_group()
+    gc.collect()
+    time.sleep(0.5)  # (rank 1's connections to the store close on their side too)
+    if rank != 0:
+        return "not the host"
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError as e:
+            return f"torch's store still listens while the group is held: {e} ({held!r})"
+    return "port free"
+
+
+@pytest.mark.timeout(90)
+def test_a_destroyed_group_still_held_does_not_keep_torchs_store():
+    """A destroyed group's TCP transport let go of its store: torch's store (its server
+    thread and port on rank 0) closes at destroy even while the program holds the group."""
+    assert run_ranks(_held_group_rank, 2, free_port(), timeout=60) == ["port free", "not the host"]

@@ -679,6 +679,10 @@ class TcpTransport:
                     t.join(5)
         self._listener.close()
         self._close_wake()
+        # A destroyed group the program still references keeps this object: it must not keep
+        # the store alive too (under torch, torch's own store: its server thread, listening
+        # port and connections stay open until the group object goes).
+        self._store = None
 
     def _await_eof(self, peers: list[_Peer], deadline: Deadline) -> None:
         """Read and drop what peers still send until they close too (or ``deadline``).
