@@ -238,17 +238,108 @@ def _on_failure(pg: Any, error: BaseException) -> None:
                 "wrote its dump", path, os.path.dirname(path), extra={"group": pg.group_name})
 
 
-def _on_signal(signum: int, frame: Any) -> None:
+_dump_lock = threading.Lock()
+_last_signal_dump = float("-inf")  # when a SIGUSR1 dump was last begun (monotonic)
+_owed = 0  # dumps the watcher wrote for signals whose Python handler has not run yet
+
+
+def _signal_dump(reason: str) -> None:
+    global _last_signal_dump
+    with _dump_lock:
+        _last_signal_dump = time.monotonic()
     try:
-        path = dump_flight_recorder(reason="SIGUSR1")
+        path = dump_flight_recorder(reason=reason)
         log.warning("SIGUSR1: flight recorder written to %s", path)
     except Exception as e:  # noqa: BLE001 - never kill the process from a handler
         log.warning("SIGUSR1: could not write the flight recorder: %s", e)
 
 
+def _on_signal(signum: int, frame: Any) -> None:
+    global _owed
+    with _dump_lock:
+        if _owed:  # the watcher dumped while the main thread was blocked (pending signals of
+            _owed = 0  # one number run one handler call)
+            return
+    _signal_dump("SIGUSR1")
+
+
+class _SignalWatcher:
+    """Python runs signal handlers only when the main thread executes bytecode: a main thread
+    blocked in C code (torch's DDP reducer waiting in ``backward()``) never runs
+    :func:`_on_signal`.  Python's C-level handler also writes the signal's number to the
+    wakeup fd; this thread reads it and dumps when the main thread has not within
+    :data:`GRACE` seconds.  Only when the program has no wakeup fd of its own (asyncio's)."""
+
+    GRACE = 0.5
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._w.setblocking(False)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="distcomm-sigusr1", daemon=True)
+
+    @classmethod
+    def start(cls) -> _SignalWatcher | None:
+        watcher = cls()
+        try:
+            theirs = signal.set_wakeup_fd(watcher._w.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            theirs = None
+        if theirs != -1:  # the program's own wakeup fd (put back), or none can be set
+            if theirs is not None:
+                signal.set_wakeup_fd(theirs)
+            watcher._close()
+            return None
+        watcher._thread.start()
+        return watcher
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self._r.recv(64)
+            except OSError:
+                return
+            if not data or self._stopping:
+                return
+            if signal.SIGUSR1 in data and signal.getsignal(signal.SIGUSR1) is _on_signal:
+                self._dump_unless_handled(time.monotonic())
+
+    def _dump_unless_handled(self, arrived: float) -> None:
+        global _owed
+        time.sleep(self.GRACE)
+        with _dump_lock:
+            if _last_signal_dump >= arrived - self.GRACE:
+                return  # the main thread's handler ran
+            _owed += 1
+        _signal_dump("SIGUSR1 (the main thread was blocked outside Python)")
+
+    def stop(self) -> None:
+        """Stop the thread; the wakeup fd goes back to none unless the program set its own."""
+        try:
+            now = signal.set_wakeup_fd(-1)
+            if now not in (-1, self._w.fileno()):
+                signal.set_wakeup_fd(now)  # the program's, set since: keep it
+        except (ValueError, OSError):
+            pass
+        self._stopping = True
+        try:
+            self._w.send(b"\0")
+        except OSError:
+            pass
+        self._thread.join(2.0)
+        self._close()
+
+    def _close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
+_watcher: _SignalWatcher | None = None
+
+
 def install_signal_handler() -> bool:
     """Dump on SIGUSR1 if the signal has no handler of the program's (main thread only)."""
-    global _handler_installed
+    global _handler_installed, _watcher
     if threading.current_thread() is not threading.main_thread():
         return False
     try:
@@ -258,12 +349,14 @@ def install_signal_handler() -> bool:
     except (ValueError, OSError, AttributeError):
         return False
     _handler_installed = True
+    if _watcher is None:
+        _watcher = _SignalWatcher.start()
     return True
 
 
 def remove_signal_handler() -> None:
     """Put SIGUSR1's default back if our handler is still the one installed."""
-    global _handler_installed
+    global _handler_installed, _watcher
     if not _handler_installed or threading.current_thread() is not threading.main_thread():
         return
     try:
@@ -272,6 +365,9 @@ def remove_signal_handler() -> None:
     except (ValueError, OSError):
         pass
     _handler_installed = False
+    if _watcher is not None:
+        _watcher.stop()
+        _watcher = None
 
 
 rec.on_failure = _on_failure
