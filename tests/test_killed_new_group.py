@@ -106,3 +106,46 @@ def test_a_member_whose_set_up_fails_fails_new_group_on_every_member(backend):
             assert (r["type"], r["peer"]) == ("DistBackendError", VICTIM), r
             assert r["error"].startswith("making group ") and f"failed on rank {VICTIM}: " in r["error"]
             assert "DISTCOMM_SHM_SMALL_BYTES" in r["error"], r["error"]
+
+
+def _store_host_dies(rank: int, world_size: int, backend: str, port: int) -> dict:
+    """Rank 0, which hosts the store, dies after initialising; the others make a group."""
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                init(rank, world_size, backend, port, timeout=300)
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        return {"victim_exit": os.waitstatus_to_exitcode(status)}
+    init(rank, world_size, backend, port, timeout=300)
+    try:
+        dist.barrier()
+        try:
+            group = dist.new_group(list(range(world_size)))
+        except dist.DistError as e:
+            return {"error": str(e), "type": type(e).__name__, "peer": e.peer, "in": "new_group"}
+        try:
+            dist.all_reduce(np.ones(4, np.float32), group=group)
+            return {"error": None}
+        except dist.DistError as e:
+            return {"error": str(e), "type": type(e).__name__, "peer": e.peer, "in": "all_reduce"}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
+def test_the_store_hosts_death_before_new_group_names_it(backend, world_size):
+    """The store goes with its host: the members' set-up fails naming rank 0 (DistBackendError,
+    ``peer`` 0), as for any other member, not with the store's refused connections."""
+    results = run_world(_store_host_dies, world_size, backend, timeout=50)
+    assert results[0] == {"victim_exit": -9}
+    for r in results[1:]:
+        assert r["error"] is not None, "new_group and all_reduce succeeded without rank 0"
+        assert (r["type"], r["peer"]) == ("DistBackendError", 0), r
+        assert "rank 0" in r["error"], r["error"]

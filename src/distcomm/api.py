@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -271,6 +272,10 @@ def init_process_group(
         try:
             pg = factory.world(WatchedStore(prefixed, watch.check), rank, world_size, seconds, world=world)
         except BaseException as e:
+            died = _death_behind(e, watch.exited_peer)
+            if died is not None:  # the store's host died: name it rather than the store
+                _close_all(world.resources)
+                raise died from e
             if e not in watch.told:  # the first rank to fail tells the others, which stop waiting
                 tell_failure(prefixed, rank, f"{type(e).__name__}: {e}")
             _close_all(world.resources)
@@ -511,6 +516,23 @@ def get_group_rank(group: ProcessGroup | _NonMember | None, global_rank: int) ->
 
 
 # -- new groups ----------------------------------------------------------------------------
+#: Seconds a set-up whose store failed waits for a member's death to show (a killed process's
+#: sockets close a moment before its exit can be seen).
+STORE_DEATH_GRACE = 1.0
+
+
+def _death_behind(error: BaseException, dead: Callable[[], BaseException | None]) -> BaseException | None:
+    """The error naming the member whose death ``error``, a failure of the store, comes from:
+    the store's host (rank 0 under tcp:// and env://) may have been a member that died; or
+    None (``dead()`` finds none within :data:`STORE_DEATH_GRACE`)."""
+    if not isinstance(error, DistNetworkError):
+        return None
+    until = time.monotonic() + STORE_DEATH_GRACE
+    while (died := dead()) is None and time.monotonic() < until:
+        time.sleep(0.02)
+    return died
+
+
 def new_group(
     ranks: list[int] | None = None,
     timeout: Timeout | None = None,
@@ -572,6 +594,16 @@ def new_group(
         pg = factory.subgroup(default, WatchedStore(base, check), members, members.index(world.rank),
                               name, seconds)
     except Exception as e:
+        def dead_member() -> BaseException | None:
+            try:
+                default.check_members(list(range(world.size)), f"making group {name!r}")
+            except DistBackendError as died:
+                return died
+            return None
+
+        died = _death_behind(e, dead_member)
+        if died is not None:
+            raise died from e
         if e not in told:  # the first member to fail tells the others, which stop waiting for it
             tell_failure(base, world.rank, f"{type(e).__name__}: {e}")
         raise

@@ -93,12 +93,20 @@ class InitWatch:
         return None
 
     def _dead_peer(self) -> DistBackendError | None:
+        died = self.exited_peer()
+        if died is None:
+            return None
+        said = setup_failure(self.store, "default")  # (it may have said why before it exited)
+        if said is not None:
+            return said
+        tell_failure(self.store, died.peer, "its process exited")  # (ranks on other machines see it)
+        return died
+
+    def exited_peer(self) -> DistBackendError | None:
+        """The error naming a member on this machine whose process exited, from the pids
+        learnt so far (no store access: also for when the store itself is gone)."""
         for r, pid in self.pids.items():
             if pid and exited(pid):
-                said = setup_failure(self.store, "default")  # (it may have said why before it exited)
-                if said is not None:
-                    return said
-                tell_failure(self.store, r, "its process exited")  # (ranks on other machines see it)
                 return DistBackendError(
                     f"rank {r} died (its process exited) while this rank was initialising the "
                     "default process group", peer=r)
