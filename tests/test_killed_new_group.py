@@ -149,3 +149,55 @@ def test_the_store_hosts_death_before_new_group_names_it(backend, world_size):
         assert r["error"] is not None, "new_group and all_reduce succeeded without rank 0"
         assert (r["type"], r["peer"]) == ("DistBackendError", 0), r
         assert "rank 0" in r["error"], r["error"]
+
+
+def _call_after_a_death(rank: int, world_size: int, backend: str, port: int, victim_pid_file: str) -> dict:
+    """Rank 1 dies after a barrier; rank 0 is busy for a while; the others call all_reduce."""
+    if rank == VICTIM:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                init(rank, world_size, backend, port, timeout=300)
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+            finally:
+                os._exit(3)
+        with open(victim_pid_file, "w") as f:
+            f.write(str(pid))
+        _, status = os.waitpid(pid, 0)
+        os.unlink(victim_pid_file)
+        return {"victim_exit": os.waitstatus_to_exitcode(status)}
+    init(rank, world_size, backend, port, timeout=300)
+    try:
+        dist.barrier()
+        while os.path.exists(victim_pid_file):  # until rank 1 is dead and reaped
+            time.sleep(0.02)
+        if rank == 0:
+            time.sleep(6)  # busy elsewhere
+        entered = time.time()
+        try:
+            dist.all_reduce(np.ones(4, np.float32))
+            return {"error": None}
+        except dist.DistError as e:
+            return {"error": str(e), "type": type(e).__name__, "peer": e.peer, "entered": entered,
+                    "failed": time.time()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_with_a_dead_member_fails_without_waiting_for_a_busy_live_one(backend, world_size, tmp_path):
+    """Ranks entering a collective of a group one of whose members already died fail naming
+    it, without waiting for a live rank that comes late (they used to wait for rank 0, and
+    only then fail; waits across groups turned that into hangs until the timeout)."""
+    results = run_world(_call_after_a_death, world_size, backend, str(tmp_path / "victim"), timeout=50)
+    assert results[VICTIM] == {"victim_exit": -9}
+    busy_entered = results[0]["entered"]
+    for rank, r in enumerate(results):
+        if rank in (0, VICTIM):
+            continue
+        assert (r["type"], r["peer"]) == ("DistBackendError", VICTIM), r
+        assert f"rank {VICTIM}" in r["error"], r["error"]
+        assert r["failed"] < busy_entered, f"rank {rank} waited for rank 0 to come: {r}"

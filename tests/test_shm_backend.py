@@ -227,18 +227,21 @@ def test_a_peer_that_posts_and_then_goes_is_not_reported_as_gone(how):
             def dead(self, rank: int) -> bool:
                 return gone["left"]
 
+            def first_dead(self) -> int | None:
+                return 0 if gone["left"] else None
+
             def close(self) -> None:
                 pass
 
         waiter._watch = _Watch()  # type: ignore[assignment]
     check = waiter._check_alive
 
-    def racing(peer: int, deadline: Deadline) -> None:
+    def racing(peer: int, target: int, deadline: Deadline) -> None:
         poster.post(1)  # after the waiter read the counter, before it looks at the peer
         if how == "left":
             poster.leave()
         gone["left"] = True
-        check(peer, deadline)
+        check(peer, target, deadline)
 
     waiter._check_alive = racing  # type: ignore[method-assign]
     waiter.wait(0, 1, Deadline(5))

@@ -155,6 +155,10 @@ class HierarchicalProcessGroup(ChannelProcessGroup):
                                     [ranks[r] for r in members[h]], f"{group_name}/machine{h}", timeout,
                                     local_ranks, shown=members[h])
             self._parts.append(local)
+            # a rank waiting on this machine (for a busy leader) fails once a rank of another
+            # machine is lost: the call cannot end without it
+            local.sweep_also(lambda: check_connections(transport, ranks, "in a call it takes part in",
+                                                       crashed_only=True))
             leaders = None
             if leader_of[h] == rank:
                 lpg = TcpProcessGroup(transport, [ranks[r] for r in leader_of], f"{group_name}/leaders",

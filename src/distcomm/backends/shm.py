@@ -186,6 +186,12 @@ class ShmProcessGroup(ChannelProcessGroup):
         self._control.progress = channel.progress_receives
         super().__init__(channel, group_name, timeout, ranks, algorithms=collectives)
 
+    def sweep_also(self, check: Callable[[], None]) -> None:
+        """Have this group's sleeping waits also run ``check`` (every SWEEP seconds), which
+        raises if a member of the larger call this group's calls are part of died."""
+        if self._control is not None:
+            self._control.sweep = check
+
     @staticmethod
     def _agree_on_reader(store: Store, rank: int, size: int, pids: list[int], probes: list[str],
                          describe: Callable[[int], str], ranks: list[int], timeout: float

@@ -45,10 +45,12 @@ class TcpProcessGroup(ChannelProcessGroup):
         check_connections(self.transport, ranks, what)
 
 
-def check_connections(transport: TcpTransport, ranks: list[int], what: str) -> None:
+def check_connections(transport: TcpTransport, ranks: list[int], what: str,
+                      crashed_only: bool = False) -> None:
     """Raise :class:`DistBackendError` naming the first of ``ranks`` whose connection
-    ``transport`` lost (``what``: what this rank was doing)."""
-    lost = transport.lost_peer(ranks)
+    ``transport`` lost (``what``: what this rank was doing); with ``crashed_only``, not one
+    that said goodbye first."""
+    lost = transport.lost_peer(ranks, crashed_only)
     if lost is not None:
         rank, error = lost
         raise DistBackendError(f"{error}; this rank was {what}", peer=rank)

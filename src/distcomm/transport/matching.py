@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..deadline import Deadline
 from ..errors import DistBackendError, DistTimeoutError
@@ -393,6 +393,22 @@ class Matcher:
             if not posts:
                 del self.posts[key]
             req.complete(_clash_error(peer, tag, req.tag, req.members))
+
+    def fail_calls_without(self, lost: Mapping[int, BaseException]) -> None:
+        """Fail the collective receives of a channel one of whose members' connection ended
+        (``lost``: process rank -> the error that ended it): the call cannot complete without
+        it, however late the live peer the receive waits on comes."""
+        hits = [(key, req, gone) for key, posts in self.posts.items() if tag_code(key[1])
+                for req in posts for gone in [next((r for r in lost if r in req.members), None)]
+                if gone is not None]
+        for key, req, gone in hits:
+            posts = self.posts[key]
+            posts.remove(req)
+            if not posts:
+                del self.posts[key]
+            waited = "" if req.bound is None else f" (waiting for {_who(req.bound, req.members)})"
+            req.complete(DistBackendError(f"{lost[gone]}; it takes part in the call this rank is in{waited}",
+                                          peer=gone))
 
     def call_clash(self, peer: int, group: int, tag: int) -> DistBackendError | None:
         """The error if ``peer``, which waits in collective call ``tag`` of ``group`` (a CALL

@@ -43,6 +43,9 @@ LINE_WORDS = LINE // 8
 CALL_WORDS = LINE_WORDS - 2
 #: Longest single sleep (s): bounds a lost wake-up and the time to notice a dead peer.
 NAP = 0.05
+#: How often (s) a sleeping wait also looks at the group's other members: a call cannot end
+#: while one of them died before its part (a wait on a live, busy rank would last until it came).
+SWEEP = 0.25
 #: ... or this long (s) while the group's point-to-point receives wait for data (see progress).
 PROGRESS_NAP = 0.002
 
@@ -186,6 +189,10 @@ class _PeerWatch:
             return False
         return False
 
+    def first_dead(self) -> int | None:
+        """The first watched rank whose process exited, or None."""
+        return next((r for r in self._pids if self.dead(r)), None)
+
     def close(self) -> None:
         fds, self._fds = self._fds, {}
         for rank, fd in fds.items():
@@ -231,6 +238,10 @@ class Control:
         #: posted receives: a peer's send may wait for them while this rank waits here).
         self.progress: Callable[[], bool] | None = None
         self._seen_all = 0  # every counter was >= this when last looked at
+        self._next_sweep = 0.0  # when a sleeping wait next looks at every member (SWEEP)
+        #: ``sweep()``: also run by a sleeping wait every SWEEP seconds; raises if a member of
+        #: the call outside this group died (``auto``: the ranks of other machines).
+        self.sweep: Callable[[], None] | None = None
         self._failed_at = 0  # the phase a wait of this rank failed in (0: none)
         #: Seconds of spinning, then of yielding, before a wait sleeps.
         self.spin_s, self.yield_s = wait_budget(local_ranks or size)
@@ -346,7 +357,7 @@ class Control:
                 if seen >= target:
                     return
                 try:
-                    self._check_alive(peer, deadline)
+                    self._check_alive(peer, target, deadline)
                 except DistError:
                     # the peer may have posted just before it left or exited (the normal
                     # end of a program): its post came first, so it shows now
@@ -386,7 +397,7 @@ class Control:
                 peer=self._global[by],
             )
 
-    def _check_alive(self, peer: int, deadline: Deadline) -> None:
+    def _check_alive(self, peer: int, target: int, deadline: Deadline) -> None:
         if self._cancelled is not None:
             raise self._cancelled
         # an aborted group first: peers that left or exited since may have done so because of
@@ -403,6 +414,17 @@ class Control:
                 f"{self._describe(peer)} died (its process exited) while this rank waited for it",
                 peer=self._global[peer],
             )
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + SWEEP
+            dead = None if self._watch is None else self._watch.first_dead()
+            if dead is not None and self.counters[dead] < target:  # (gone before this phase)
+                raise DistBackendError(
+                    f"{self._describe(dead)} died (its process exited) before its part of the call "
+                    f"this rank is in (waiting for {self._describe(peer)})",
+                    peer=self._global[dead],
+                )
+            if self.sweep is not None:
+                self.sweep()
         if deadline.remaining() <= 0:
             raise DistTimeoutError(
                 f"timed out after {deadline.seconds:g} s waiting for {self._describe(peer)}",

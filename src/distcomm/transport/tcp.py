@@ -392,12 +392,13 @@ class TcpTransport:
             if r != self.rank:
                 self._await_up(self._peers[r], deadline)
 
-    def lost_peer(self, ranks: list[int]) -> tuple[int, BaseException] | None:
+    def lost_peer(self, ranks: list[int], crashed_only: bool = False) -> tuple[int, BaseException] | None:
         """The first of ``ranks`` whose connection ended (its process exited, the
-        network failed), with the error that ended it; None if none did."""
+        network failed; with ``crashed_only``, without a BYE first), with the error that
+        ended it; None if none did."""
         for r in ranks:
             p = self._peers.get(r)
-            if p is not None and p.state == "dead" and p.error is not None:
+            if p is not None and p.state == "dead" and p.error is not None and not (crashed_only and p.left):
                 return r, p.error
         return None
 
@@ -979,6 +980,10 @@ class TcpTransport:
         in another collective at that point fails it, and its abort reaches this rank."""
         told = []
         with self._mu:
+            lost = {r: p.error for r, p in self._peers.items()  # (not one that said BYE: done)
+                    if p.state == "dead" and p.error is not None and not p.left}
+            if lost:
+                self._matcher.fail_calls_without(lost)
             for peer, group, tag in self._matcher.calls_to_tell(CALL_EVERY):
                 p = self._peers.get(peer)
                 if p is not None and p.state == "up":
