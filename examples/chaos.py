@@ -294,8 +294,11 @@ def check(args: argparse.Namespace, records: dict[tuple[str, int], list[dict]], 
     if split:
         problems.append(f"quorums split on a step (committed by some ranks, discarded by others): {split[:5]}")
     losses = [f[-1]["eval_loss"] for f in finals.values() if f]
+    # every replica starts from the weights of the first quorum's first member (init_sync)
+    committed = [x for rs in records.values() for x in rs if x.get("committed") and x.get("members")]
+    first = min(committed, key=lambda x: x["t"])["members"][0] if committed else "r0"
     ref = ft_train.reference_run(args.replicas * args.ranks_per_replica, args.steps, dim=args.dim,
-                                 hidden=args.hidden, seed=args.seed, lr=args.lr)
+                                 hidden=args.hidden, seed=args.seed, lr=args.lr, first=first)
     loss = losses[0] if losses else float("nan")
     if not losses or not abs(loss - ref) <= args.loss_tolerance * ref:  # NaN fails too
         problems.append(f"final eval loss {loss:.5f} is not within {args.loss_tolerance:.0%} of the "

@@ -213,12 +213,15 @@ def _replica_index(replica_id: str) -> int:
 
 
 def reference_run(shards: int, steps: int, *, dim: int = 32, hidden: int = 64, batch_size: int = 64,
-                  lr: float = 0.05, momentum: float = 0.9, seed: int = 0, **_: object) -> float:
+                  lr: float = 0.05, momentum: float = 0.9, seed: int = 0, first: str = "r0",
+                  **_: object) -> float:
     """The failure-free run, simulated in one process: its final eval loss.
 
     ``shards``: the parts of each batch (replicas x ranks per replica).
     """
-    params = init_params(dim, hidden, seed + 1 + sum(map(ord, "r0")))  # init_sync: r0's weights
+    # init_sync: every replica starts from the weights of the first member of the first quorum
+    # (not always r0: a quorum of the first majority can leave r0 out)
+    params = init_params(dim, hidden, seed + 1 + sum(map(ord, first)))
     velocity = {k: np.zeros_like(v) for k, v in params.items()}
     grads = {k: np.zeros_like(v) for k, v in params.items()}
     total = {k: np.zeros_like(v) for k, v in params.items()}

@@ -320,3 +320,60 @@ def test_a_freeze_that_ended_before_the_step_is_not_the_steps_silence():
             assert client.longest_silence() >= 3.0
         finally:
             client.close()
+
+
+# -- 4. a replica frozen while the group of a quorum is built -----------------------------------
+def _frozen_in_configure(rank: int, world: int, lh_addr: str, flag_dir: str) -> dict:
+    """r1 freezes itself (SIGSTOP, 3 s) as it starts building the group of the first quorum of
+    all three; after waking it trains on until it committed again, then all stop together."""
+    import subprocess
+
+    stop_file = os.path.join(flag_dir, "stop")
+    w = np.zeros(4)
+    m = Manager(f"r{rank}", lh_addr, backend="tcp", timeout=20, quorum_timeout=40)
+    woke: dict = {}
+    wakers: list = []
+    if rank == 1:
+        configure = m.pg.configure
+
+        def frozen_configure(*args, **kwargs):
+            if args[2] == 3 and not woke:
+                wakers.append(subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {os.getpid()}"]))
+                os.kill(os.getpid(), signal.SIGSTOP)
+                woke["at"] = time.monotonic()
+            return configure(*args, **kwargs)
+
+        m.pg.configure = frozen_configure
+    m.register_state_dict_fn("model", lambda sd: w.__setitem__(slice(None), sd["w"]), lambda: {"w": w.copy()})
+    try:
+        stop = 10**9
+        while m.current_step() < stop:
+            m.start_quorum()
+            g = np.ones(4)
+            time.sleep(0.02)
+            m.allreduce(g)
+            if m.should_commit():
+                w -= g
+                if woke and "rejoined" not in woke:
+                    woke["rejoined"] = time.monotonic() - woke["at"]
+                    with open(stop_file + ".tmp", "w") as f:
+                        f.write(str(m.current_step() + 3))
+                    os.rename(stop_file + ".tmp", stop_file)
+            if os.path.exists(stop_file):
+                with open(stop_file) as f:
+                    stop = int(f.read())
+        return {"step": m.current_step(), "w": w.tolist(), "rejoined": woke.get("rejoined")}
+    finally:
+        m.shutdown()
+        for p in wakers:
+            p.wait()
+
+
+@pytest.mark.timeout(90)
+def test_a_replica_frozen_while_its_group_is_built_rejoins_without_waiting_the_timeout(tmp_path):
+    # Before, the woken replica waited in the abandoned quorum's rendezvous for the Manager's
+    # timeout (here 20 s); the lighthouse had declared it dead after heartbeat_timeout (1 s).
+    with LighthouseThread(min_replicas=2, join_timeout=0.3, heartbeat_timeout=1) as lh:
+        r0, r1, r2 = run_ranks(_frozen_in_configure, 3, lh.address, str(tmp_path), timeout=80)
+    assert r1["rejoined"] is not None and r1["rejoined"] < 20 / 2, r1
+    assert r0["step"] == r1["step"] == r2["step"] and r0["w"] == r1["w"] == r2["w"], (r0, r1, r2)

@@ -71,6 +71,7 @@ class LighthouseClient:
         self.heartbeat_timeout: float | None = None  # the lighthouse's (said at registration)
         self._last_beat = time.monotonic()  # when the heartbeat thread last ran
         self._longest_silence = 0.0  # the longest gap between heartbeats since mark_silence()
+        self._last_gap = (0.0, 0.0)  # (start, end) of the last gap between heartbeats
         self._connect(Deadline(connect_timeout))
         self._last_beat = time.monotonic()  # (the wait for the lighthouse to come up is no silence)
         self._silence_mark = self._last_beat  # mark_silence(): gaps before it do not count
@@ -240,6 +241,7 @@ class LighthouseClient:
             # only the part of the gap after mark_silence() counts: a freeze that ended before
             # the step began (the heartbeat thread not having run since) is not this step's
             self._longest_silence = max(self._longest_silence, now - max(self._last_beat, self._silence_mark))
+            self._last_gap = (self._last_beat, now)
             self._last_beat = now
 
     def mark_silence(self) -> None:
@@ -247,6 +249,14 @@ class LighthouseClient:
         with self._cv:
             self._longest_silence = 0.0
             self._silence_mark = time.monotonic()
+
+    def silent_since(self, t: float) -> float:
+        """How long this process sent no heartbeat after ``t`` (monotonic) in one stretch: the
+        last finished gap's part after ``t``, or the current one's."""
+        with self._cv:
+            start, end = self._last_gap
+            now = time.monotonic()
+            return max(end - max(start, t), now - max(self._last_beat, t), 0.0)
 
     def longest_silence(self) -> float:
         """The longest time without a heartbeat since :meth:`mark_silence` (the current gap

@@ -622,6 +622,7 @@ class Manager:
                 raise DistBackendError(f"a member of quorum {key[1]} died before its group was built")
             store = healthy[0]["address"]["store"]
             t0 = time.monotonic()
+            stop_watch = self._watch_configure(t0, key[1])
             try:
                 self.pg.configure(f"{store}/ft/{key[0]}/{key[1]}/{self.group_rank}", rank, len(members))
             except DistAuthenticationError as e:  # no retry fixes it: say what to do
@@ -630,12 +631,44 @@ class Manager:
                     f"{store}: {e}; every replica must use the same {AUTH_ENV_VAR} (distcomm run draws a "
                     f"token per job unless it is set: export one before starting every replica)", addr=store)
                 raise _QuorumError(str(fatal)) from fatal
+            finally:
+                stop_watch()
             self.stats["configures"] += 1
             self.stats["configure_seconds"].append(time.monotonic() - t0)
             self._quorum_key = key
         self._configured = True
         if behind:
             self._heal(healthy, rank, top)
+
+    def _watch_configure(self, since: float, quorum_id: Any) -> Callable[[], None]:
+        """While the group of a quorum is built, abort it if this process is silent for the
+        lighthouse's heartbeat timeout (frozen: SIGSTOP, a paused VM): the lighthouse declared it
+        dead and the others went on, so the group would only fail at ``timeout``.  Returns the
+        function that stops the watch (and joins its thread)."""
+        done = threading.Event()
+        client = self._client
+        limit = getattr(client, "heartbeat_timeout", None)
+        if not isinstance(client, LighthouseClient) or limit is None:
+            return done.set
+
+        def watch() -> None:
+            while not done.wait(0.1):
+                silent = client.silent_since(since)
+                if silent >= limit and not done.is_set():
+                    self.pg.abort(DistBackendError(
+                        f"replica {self.replica_id} sent no heartbeat for {silent:.1f} s while building the "
+                        f"group of quorum {quorum_id} (the lighthouse's heartbeat timeout is {limit:g} s): it "
+                        f"was declared dead and the others went on without it"))
+                    # (again until configure returns: an abort before it opened its store is lost)
+
+        thread = threading.Thread(target=watch, name="distcomm-ft-configure-watch", daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            done.set()
+            thread.join()
+
+        return stop
 
     def _heal(self, healthy: list[dict], rank: int, step: int) -> None:
         if not self._fns:

@@ -76,6 +76,11 @@ class AbortableStore(Store):
         self._raise_if_aborted()
         return self._store._check(keys)
 
+    def setup_check(self) -> None:
+        """Raise once aborted: a set-up wait that is no store wait (peers connecting, see
+        :func:`~distcomm.store.watched.watch_of`) ends with the store's waits."""
+        self._raise_if_aborted()
+
     def _raise_if_aborted(self) -> None:
         cause = self._aborted
         if cause is not None:

@@ -61,11 +61,22 @@ class WatchedStore(PrefixStore):
 
 
 def watch_of(store: Store) -> Callable[[], None] | None:
-    """The check of the :class:`WatchedStore` ``store`` is (or wraps, through prefixes), if
-    any: for set-up waits that are not store waits (peers connecting)."""
+    """The checks of the :class:`WatchedStore` ``store`` is (or wraps, through prefixes), and
+    of any store it wraps with a ``setup_check()`` (an aborted one raises), as one function,
+    if any: for set-up waits that are not store waits (peers connecting)."""
+    checks = []
     at: Store | None = store
     while at is not None:
         if isinstance(at, WatchedStore):
-            return at._watch
+            checks.append(at._watch)
+        elif callable(getattr(at, "setup_check", None)):
+            checks.append(at.setup_check)  # type: ignore[attr-defined]
         at = getattr(at, "underlying_store", None)
-    return None
+    if len(checks) < 2:
+        return checks[0] if checks else None
+
+    def every() -> None:
+        for check in checks:
+            check()
+
+    return every
