@@ -87,7 +87,8 @@ def test_torch_spellings_that_older_code_and_libraries_use():
     assert dist.distributed_c10d is dist  # `dist.distributed_c10d.get_rank()`
     assert dist.reduce_op.SUM is dist.ReduceOp.SUM and dist.reduce_op.MAX is dist.ReduceOp.MAX
     assert dist.ReduceOp.RedOpType.AVG is dist.ReduceOp.AVG
-    for call in (dist.get_rank, dist.distributed_c10d._get_default_group, lambda: dist.all_reduce(np.ones(1))):
+    for call in (dist.get_rank, dist.distributed_c10d._get_default_group, dist.distributed_c10d._get_default_store,
+                 lambda: dist.all_reduce(np.ones(1))):
         with pytest.raises(ValueError, match="init_process_group"):  # as torch: a ValueError
             call()
     dist.init_process_group("tcp", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -104,3 +105,23 @@ def test_torch_spellings_that_older_code_and_libraries_use():
             failing.wait()
     finally:
         dist.destroy_process_group()
+
+
+def _shared_store(rank: int, world_size: int, port: int) -> bytes:
+    dist.init_process_group("tcp", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        store = dist.distributed_c10d._get_default_store()  # torch's private name, which programs use
+        if rank == 0:
+            store.set("job/config", "from rank 0")
+        store.add("job/arrived", 1)
+        dist.barrier()
+        assert store.add("job/arrived", 0) == world_size
+        return store.get("job/config")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_default_store_is_shared_by_every_rank():
+    from distcomm.testing import free_port, run_ranks
+
+    assert run_ranks(_shared_store, 2, free_port(), timeout=60) == [b"from rank 0"] * 2

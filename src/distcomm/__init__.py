@@ -22,6 +22,7 @@ if _typing.TYPE_CHECKING:  # what type checkers see; at run time each name is im
     from .api import (
         GroupMember,
         _get_default_group,  # noqa: F401 - torch's private name
+        _get_default_store,  # noqa: F401 - torch's private name
         default_pg_timeout,
         destroy_process_group,
         get_backend,
@@ -116,7 +117,7 @@ __version__ = "0.1.0"
 _WHERE: dict[str, str] = {
     name: module
     for module, names in (
-        (".api", "GroupMember _get_default_group default_pg_timeout destroy_process_group get_backend get_global_rank "
+        (".api", "GroupMember _get_default_group _get_default_store default_pg_timeout destroy_process_group get_backend get_global_rank "
          "get_group_rank get_process_group_ranks get_rank get_world_size init_process_group "
          "is_available is_initialized new_group new_subgroups new_subgroups_by_enumeration "
          "split_group get_node_local_rank is_backend_available is_gloo_available "

@@ -201,6 +201,12 @@ def _require_world() -> _World:
     return _world
 
 
+def _get_default_store() -> Store:
+    """The default group's store (torch.distributed's private name for it, which programs use
+    for their own keys: counters, work queues): shared by every rank of this initialisation."""
+    return _require_world().store
+
+
 def _get_default_group() -> ProcessGroup:
     """The default group (torch.distributed's private name for it, which libraries use)."""
     world = _require_world()
