@@ -408,8 +408,9 @@ def test_no_heap_when_heap_bytes_is_zero():
 
 
 def _alltoall_rank(rank: int, world_size: int, backend: str, port: int) -> dict:
-    """Large all_to_all_single with even splits (peers' blocks read in place when the
-    reader is on) and uneven ones (always through the slots)."""
+    """Large all_to_all_single with even splits and uneven ones (the rest of each block, after
+    the first round, read in place in peers' send buffers when the reader is on; uneven blocks
+    used to go through the slots always), some of them empty."""
     _init(rank, world_size, backend, port)
     n = world_size
     bad = []
@@ -420,20 +421,24 @@ def _alltoall_rank(rank: int, world_size: int, backend: str, port: int) -> dict:
         want = np.concatenate([np.full(block, j * 1000 + rank, np.int64) + np.arange(block) for j in range(n)])
         if not np.array_equal(got, want):
             bad.append(f"even blocks of {block}: first difference at {np.flatnonzero(got != want)[0]}")
-    splits = [100_000 + 7 * d + rank for d in range(n)]  # what this rank sends to d
-    recv_splits = [100_000 + 7 * rank + j for j in range(n)]
-    sent = np.concatenate([np.full(c, rank * 10 + d, np.int32) for d, c in enumerate(splits)])
-    got = np.zeros(sum(recv_splits), np.int32)
-    dist.all_to_all_single(got, sent, recv_splits, splits)
-    want = np.concatenate([np.full(c, j * 10 + rank, np.int32) for j, c in enumerate(recv_splits)])
-    if not np.array_equal(got, want):
-        bad.append("uneven splits")
+    for name, count in (("uneven", lambda src, dst: 100_000 + 7 * dst + src),
+                        ("lopsided", lambda src, dst: (dst * 67_000 + src * 29_000) % 200_000)):
+        splits = [count(rank, d) for d in range(n)]  # what this rank sends to d
+        recv_splits = [count(j, rank) for j in range(n)]
+        sent = np.concatenate([np.full(c, rank * 10 + d, np.int32) + np.arange(c, dtype=np.int32)
+                               for d, c in enumerate(splits)])
+        got = np.zeros(sum(recv_splits), np.int32)
+        dist.all_to_all_single(got, sent, recv_splits, splits)
+        want = np.concatenate([np.full(c, j * 10 + rank, np.int32) + np.arange(c, dtype=np.int32)
+                               for j, c in enumerate(recv_splits)])
+        if not np.array_equal(got, want):
+            bad.append(f"{name} splits")
     remote = dist.GroupMember.WORLD.algorithms.remote_calls
     dist.destroy_process_group()
     return {"bad": bad, "remote": remote}
 
 
-_ALLTOALL_MODES = {  # environment, and whether the large even all_to_all reads in place
+_ALLTOALL_MODES = {  # environment, and whether the large all_to_alls read in place
     "in place": ({**_REMOTE_ENV, "DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES": str(_REMOTE_BYTES)}, True),
     "default": ({}, False),  # below DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES (32 MiB): through the slots
     "no cma": ({"DISTCOMM_SHM_CMA": "0", "DISTCOMM_SHM_ALLTOALL_REMOTE_BYTES": "0"}, False),
@@ -442,12 +447,12 @@ _ALLTOALL_MODES = {  # environment, and whether the large even all_to_all reads 
 
 @pytest.mark.parametrize("mode", list(_ALLTOALL_MODES))
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_to_all_reads_even_blocks_in_place(world_size, mode):
+def test_all_to_all_reads_blocks_in_place(world_size, mode):
     env, remote = _ALLTOALL_MODES[mode]
     results = run_world(_alltoall_rank, world_size, "shm", timeout=60, env=env)
     for r in results:
         assert not r["bad"], r["bad"]
-    assert [r["remote"] for r in results] == [1 if remote else 0] * world_size
+    assert [r["remote"] for r in results] == [3 if remote else 0] * world_size  # even, uneven, lopsided
 
 
 def _distance_rank(rank: int, world_size: int, backend: str, port: int) -> dict:

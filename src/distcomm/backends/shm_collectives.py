@@ -70,7 +70,8 @@ and peers read it where it lies, one kernel copy (``_Sources``).  The decision
 and the phases are those of direct mode, a rank's array being in its heap or
 readable through the kernel.  ``all_gather_into_tensor`` uses it;
 ``all_reduce`` from ``allreduce_remote_bytes`` up, and ``all_to_all_single``
-with even blocks (switching to it after round 0) from ``alltoall_remote_bytes``
+(switching to it after round 0; a table at the end of each rank's slot says
+where its block for each peer starts) from ``alltoall_remote_bytes``
 up (4 MiB and 32 MiB by default): below those the rounds through
 the slots were as fast or faster (docs/benchmarks.md; the kernel pins the
 peer's pages one by one, 3-4x slower for 4 KiB pages than for huge pages,
@@ -924,19 +925,19 @@ class ShmCollectives:
             # (this rank's own counts only: its peers may take the general path below, whose
             # first round has the same layout; if one of them has more, this rank joins the rest)
             views = self._views(send.dtype)
-            if send_counts[0] <= len(views[me][0]) // n:
+            if send_counts[0] <= self._alltoall_per(views, send.dtype):
                 if not self._alltoall_one_slot(send, recv, send_counts, views, deadline):
                     return
-                lo = len(views[0][0]) // n
+                lo = self._alltoall_per(views, send.dtype)
         s_off, r_off = offsets(send_counts), offsets(recv_counts)  # (np.cumsum: 10 us here)
         copy_into(recv[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]])  # (sizes checked by the group)
         if n == 1:
             return
         views = self._views(send.dtype)
-        per = len(views[0][0]) // n
+        per = self._alltoall_per(views, send.dtype)
         others = self._others()
-        # even splits of more than a round: the rest may be read from peers' send buffers
-        even = self._even_block(send, send_counts, recv_counts, per)
+        # a large call: what is left after the first round may be read from peers' send buffers
+        direct = self.reader is not None and max(send.nbytes, recv.nbytes) >= self.alltoall_remote_bytes
         while True:
             q = self._begin()
             used = self._all_write(deadline)
@@ -953,9 +954,10 @@ class ShmCollectives:
                 words = self._words[me][used[me]]
                 words[4], words[5] = split_hashes(self._split_weights, send_counts, recv_counts)
                 self._say(used[me], q, _ALLTOALL, None)
-                if self.reader is not None:
-                    head[2] = even
-                    head[3] = data_address(send) if even else 0
+                head[2] = int(direct)
+                head[3] = data_address(send) if direct else 0
+                if direct:  # where each peer's block starts in this rank's send buffer
+                    self._offsets_table(me, used[me])[:] = s_off[:n]
             self.ctl.post(q)
             more = left > 0
             for j in others:
@@ -969,13 +971,15 @@ class ShmCollectives:
             self._read_until(used[me], q)
             if lo == 0:
                 self._check_splits(used)
-            if lo == 0 and more and even:
+            if lo == 0 and more and direct:
                 heads = [self._headers[j][used[j]] for j in range(n)]
-                if all(int(h[2]) == even and int(h[3]) for h in heads):  # every rank alike
+                if all(int(h[2]) and int(h[3]) for h in heads):  # every rank alike
                     self.remote_calls += 1
                     src = _Sources(self, send, [-1] * n, [int(h[3]) for h in heads])
                     for j in others:
-                        src.copy(j, me * even + per, (me + 1) * even, recv[r_off[j] + per : r_off[j] + even])
+                        if recv_counts[j] > per:
+                            at = int(self._offsets_table(j, used[j])[me])
+                            src.copy(j, at + per, at + recv_counts[j], recv[r_off[j] + per : r_off[j + 1]])
                     self._finish_direct(deadline)
                     return
             if not more:
@@ -988,7 +992,7 @@ class ShmCollectives:
         whole send buffer into its slot and reads its block from every slot (headers as the
         general path's first round: nothing more to come, no direct reads, split hashes)."""
         me, c, n = self.rank, counts[0], self.size
-        per = len(views[0][0]) // n  # block j at j * per, as in the general path's first round
+        per = self._alltoall_per(views, send.dtype)  # block j at j * per, as in the general path's first round
         q = self._begin()
         used = self._all_write(deadline)
         views[me][used[me]][: n * per].reshape(n, per)[:, :c] = send.reshape(n, c)
@@ -1019,13 +1023,14 @@ class ShmCollectives:
                 "DISTCOMM_DEBUG=DETAIL names the ranks and sizes"
             )
 
-    def _even_block(self, send: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int],
-                    per: int) -> int:
-        """The block of an all_to_all whose blocks peers may read in this rank's send
-        buffer (every count equal, more than a round, large enough), else 0."""
-        if self.reader is None or send.nbytes < self.alltoall_remote_bytes:
-            return 0
-        m = send_counts[0]
-        if m <= per or any(c != m for c in send_counts) or any(c != m for c in recv_counts):
-            return 0
-        return m
+    def _alltoall_per(self, views: list[list[np.ndarray]], dtype: np.dtype) -> int:
+        """Elements of each block in a round of an all_to_all: the slot holds one block per
+        rank, then (its last 8 bytes a rank) the table of :meth:`_offsets_table`."""
+        n = self.size
+        return (len(views[0][0]) - -(-8 * n // dtype.itemsize)) // n
+
+    def _offsets_table(self, j: int, b: int) -> np.ndarray:
+        """Rank j's table in its slot b: where its block for each rank starts in its send
+        buffer (elements), for the ranks that read the rest of their block from there."""
+        end = HEADER + self.slot_bytes
+        return self.slots[j][b][end - 8 * self.size : end].view(np.int64)
