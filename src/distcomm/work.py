@@ -166,7 +166,8 @@ class Work:
         return torch_value(self._result)
 
     def source_rank(self) -> int:
-        """For a receive from any rank: the rank the message came from."""
+        """For a receive from any rank: the rank the message came from, as a rank of the
+        receive's group (torch's too; ``recv`` itself returns the global rank)."""
         self.wait()
         if self._source is None:
             raise DistInputError(f"{self.op} is not a receive; it has no source rank")
