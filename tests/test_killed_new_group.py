@@ -151,8 +151,10 @@ def test_the_store_hosts_death_before_new_group_names_it(backend, world_size):
         assert "rank 0" in r["error"], r["error"]
 
 
-def _call_after_a_death(rank: int, world_size: int, backend: str, port: int, victim_pid_file: str) -> dict:
-    """Rank 1 dies after a barrier; rank 0 is busy for a while; the others call all_reduce."""
+def _call_after_a_death(rank: int, world_size: int, backend: str, port: int, victim_pid_file: str,
+                        rank0: str = "busy") -> dict:
+    """Rank 1 dies after a barrier; rank 0 is busy for a while, or destroys its group (as a
+    program handling the death would); the others call all_reduce."""
     if rank == VICTIM:
         pid = os.fork()
         if pid == 0:
@@ -172,6 +174,9 @@ def _call_after_a_death(rank: int, world_size: int, backend: str, port: int, vic
         dist.barrier()
         while os.path.exists(victim_pid_file):  # until rank 1 is dead and reaped
             time.sleep(0.02)
+        if rank == 0 and rank0 == "leaves":
+            dist.destroy_process_group()
+            return {"left": True}
         if rank == 0:
             time.sleep(6)  # busy elsewhere
         entered = time.time()
@@ -182,7 +187,20 @@ def _call_after_a_death(rank: int, world_size: int, backend: str, port: int, vic
             return {"error": str(e), "type": type(e).__name__, "peer": e.peer, "entered": entered,
                     "failed": time.time()}
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["shm", "auto"])
+def test_a_member_that_left_because_another_died_is_not_blamed(backend, tmp_path):
+    """Rank 0 destroys its groups once rank 1 died; ranks 2 and 3, in an all_reduce that waits
+    for rank 0, name rank 1, the cause (they named rank 0, which destroyed its group)."""
+    results = run_world(_call_after_a_death, 4, backend, str(tmp_path / "victim"), "leaves", timeout=50)
+    assert results[:2] == [{"left": True}, {"victim_exit": -9}]
+    for r in results[2:]:
+        assert (r["type"], r["peer"]) == ("DistBackendError", VICTIM), r
+        assert f"rank {VICTIM} died" in r["error"], r["error"]
 
 
 @pytest.mark.timeout(60)

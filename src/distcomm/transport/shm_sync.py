@@ -189,9 +189,9 @@ class _PeerWatch:
             return False
         return False
 
-    def first_dead(self) -> int | None:
-        """The first watched rank whose process exited, or None."""
-        return next((r for r in self._pids if self.dead(r)), None)
+    def first_dead(self, skip: int = -1) -> int | None:
+        """The first watched rank but ``skip`` whose process exited, or None."""
+        return next((r for r in self._pids if r != skip and self.dead(r)), None)
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
@@ -372,6 +372,16 @@ class Control:
         finally:
             asleep[me] = 0
 
+    def _member_died(self, peer: int, target: int) -> DistBackendError | None:
+        """The error naming a member other than ``peer`` whose process exited before posting
+        phase ``target`` (the call this rank waits in cannot end without it), or None."""
+        dead = None if self._watch is None else self._watch.first_dead(skip=peer)
+        if dead is None or self.counters[dead] >= target:
+            return None
+        return DistBackendError(
+            f"{self._describe(dead)} died (its process exited) before its part of the call this rank "
+            f"is in (waiting for {self._describe(peer)})", peer=self._global[dead])
+
     def _check_aborted(self) -> None:
         """Raise the abort's error if a rank aborted the group."""
         by = self.aborted_by()
@@ -404,6 +414,10 @@ class Control:
         # it, and the abort names the cause
         self._check_aborted()
         if self._left[peer]:
+            # (it may have left because a member died: that member is the cause)
+            died = self._member_died(peer, target)
+            if died is not None:
+                raise died
             raise DistBackendError(
                 f"{self._describe(peer)} destroyed its process group (or its program ended) while this rank "
                 "waited for it",
@@ -416,13 +430,9 @@ class Control:
             )
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP
-            dead = None if self._watch is None else self._watch.first_dead()
-            if dead is not None and self.counters[dead] < target:  # (gone before this phase)
-                raise DistBackendError(
-                    f"{self._describe(dead)} died (its process exited) before its part of the call "
-                    f"this rank is in (waiting for {self._describe(peer)})",
-                    peer=self._global[dead],
-                )
+            died = self._member_died(peer, target)
+            if died is not None:
+                raise died
             if self.sweep is not None:
                 self.sweep()
         if deadline.remaining() <= 0:
