@@ -30,18 +30,31 @@ def _leave_together(rank: int, port: int, ranks: int) -> None:
         time.sleep(0.02)
 
 
-def _new_group_after_a_death(rank: int, world_size: int, backend: str, port: int) -> dict:
-    if rank == VICTIM:  # dies in a child, so that run_ranks sees this process end normally
-        pid = os.fork()
-        if pid == 0:
-            try:
-                init(rank, world_size, backend, port, timeout=300)
-                dist.barrier()
-                os.kill(os.getpid(), signal.SIGKILL)
-            finally:
-                os._exit(3)
-        _, status = os.waitpid(pid, 0)
-        return {"victim_exit": os.waitstatus_to_exitcode(status)}
+def _die_after_init(rank: int, world_size: int, backend: str, port: int, pid_file: str | None = None) -> dict:
+    """Initialise, pass a barrier and die of SIGKILL, in a child, so that run_ranks sees this
+    process end normally (the child's pid in ``pid_file`` until it is reaped)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            init(rank, world_size, backend, port, timeout=300)
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(3)
+    if pid_file is not None:
+        with open(pid_file, "w") as f:
+            f.write(str(pid))
+    _, status = os.waitpid(pid, 0)
+    if pid_file is not None:
+        os.unlink(pid_file)
+    return {"victim_exit": os.waitstatus_to_exitcode(status)}
+
+
+def _new_group_after_a_death(rank: int, world_size: int, backend: str, port: int, victim: int = VICTIM) -> dict:
+    """``victim`` dies after initialising; the others make a group of all and use it (when
+    the victim is rank 0, the store's host, the store goes with it)."""
+    if rank == victim:
+        return _die_after_init(rank, world_size, backend, port)
     init(rank, world_size, backend, port, timeout=300)
     try:
         dist.barrier()
@@ -55,7 +68,8 @@ def _new_group_after_a_death(rank: int, world_size: int, backend: str, port: int
         except dist.DistError as e:
             return {"error": str(e), "type": type(e).__name__, "peer": e.peer, "in": "all_reduce"}
     finally:
-        _leave_together(rank, port, world_size - 1)
+        if victim != 0:
+            _leave_together(rank, port, world_size - 1)
         dist.destroy_process_group()
 
 
@@ -108,42 +122,13 @@ def test_a_member_whose_set_up_fails_fails_new_group_on_every_member(backend):
             assert "DISTCOMM_SHM_SMALL_BYTES" in r["error"], r["error"]
 
 
-def _store_host_dies(rank: int, world_size: int, backend: str, port: int) -> dict:
-    """Rank 0, which hosts the store, dies after initialising; the others make a group."""
-    if rank == 0:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                init(rank, world_size, backend, port, timeout=300)
-                dist.barrier()
-                os.kill(os.getpid(), signal.SIGKILL)
-            finally:
-                os._exit(3)
-        _, status = os.waitpid(pid, 0)
-        return {"victim_exit": os.waitstatus_to_exitcode(status)}
-    init(rank, world_size, backend, port, timeout=300)
-    try:
-        dist.barrier()
-        try:
-            group = dist.new_group(list(range(world_size)))
-        except dist.DistError as e:
-            return {"error": str(e), "type": type(e).__name__, "peer": e.peer, "in": "new_group"}
-        try:
-            dist.all_reduce(np.ones(4, np.float32), group=group)
-            return {"error": None}
-        except dist.DistError as e:
-            return {"error": str(e), "type": type(e).__name__, "peer": e.peer, "in": "all_reduce"}
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
 def test_the_store_hosts_death_before_new_group_names_it(backend, world_size):
     """The store goes with its host: the members' set-up fails naming rank 0 (DistBackendError,
     ``peer`` 0), as for any other member, not with the store's refused connections."""
-    results = run_world(_store_host_dies, world_size, backend, timeout=50)
+    results = run_world(_new_group_after_a_death, world_size, backend, 0, timeout=50)
     assert results[0] == {"victim_exit": -9}
     for r in results[1:]:
         assert r["error"] is not None, "new_group and all_reduce succeeded without rank 0"
@@ -156,19 +141,7 @@ def _call_after_a_death(rank: int, world_size: int, backend: str, port: int, vic
     """Rank 1 dies after a barrier; rank 0 is busy for a while, or destroys its group (as a
     program handling the death would); the others call all_reduce."""
     if rank == VICTIM:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                init(rank, world_size, backend, port, timeout=300)
-                dist.barrier()
-                os.kill(os.getpid(), signal.SIGKILL)
-            finally:
-                os._exit(3)
-        with open(victim_pid_file, "w") as f:
-            f.write(str(pid))
-        _, status = os.waitpid(pid, 0)
-        os.unlink(victim_pid_file)
-        return {"victim_exit": os.waitstatus_to_exitcode(status)}
+        return _die_after_init(rank, world_size, backend, port, victim_pid_file)
     init(rank, world_size, backend, port, timeout=300)
     try:
         dist.barrier()
