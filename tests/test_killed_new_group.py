@@ -151,7 +151,7 @@ def _call_after_a_death(rank: int, world_size: int, backend: str, port: int, vic
             dist.destroy_process_group()
             return {"left": True}
         if rank == 0:
-            time.sleep(6)  # busy elsewhere
+            time.sleep(12)  # busy elsewhere (the others give up after 5 s at most)
         entered = time.time()
         try:
             dist.all_reduce(np.ones(4, np.float32))

@@ -394,13 +394,15 @@ class Matcher:
                 del self.posts[key]
             req.complete(_clash_error(peer, tag, req.tag, req.members))
 
-    def fail_calls_without(self, lost: Mapping[int, BaseException]) -> None:
-        """Fail the collective receives of a channel one of whose members' connection ended
-        (``lost``: process rank -> the error that ended it): the call cannot complete without
-        it, however late the live peer the receive waits on comes."""
+    def fail_calls_without(self, lost: Mapping[int, BaseException], ticks: int) -> None:
+        """Fail the collective receives, waiting for ``ticks`` ticks or more, of a channel one of
+        whose members' connection ended (``lost``: process rank -> the error that ended it):
+        the call cannot complete without it, however late the live peer the receive waits on
+        comes.  (Not at once: a member that ended its program without a goodbye right after
+        the call, its part done, looks the same, and the live peer usually comes first.)"""
         hits = [(key, req, gone) for key, posts in self.posts.items() if tag_code(key[1])
-                for req in posts for gone in [next((r for r in lost if r in req.members), None)]
-                if gone is not None]
+                for req in posts if req.ticks >= ticks
+                for gone in [next((r for r in lost if r in req.members), None)] if gone is not None]
         for key, req, gone in hits:
             posts = self.posts[key]
             posts.remove(req)

@@ -46,6 +46,10 @@ NAP = 0.05
 #: How often (s) a sleeping wait also looks at the group's other members: a call cannot end
 #: while one of them died before its part (a wait on a live, busy rank would last until it came).
 SWEEP = 0.25
+#: ... and after how long (s) it also runs ``Control.sweep`` (members elsewhere, seen by their
+#: connections: one that ended its program without a goodbye after doing its part of the call
+#: looks the same, and the live peer waited for usually comes first).
+SWEEP_ELSEWHERE = 5.0
 #: ... or this long (s) while the group's point-to-point receives wait for data (see progress).
 PROGRESS_NAP = 0.002
 
@@ -239,6 +243,7 @@ class Control:
         self.progress: Callable[[], bool] | None = None
         self._seen_all = 0  # every counter was >= this when last looked at
         self._next_sweep = 0.0  # when a sleeping wait next looks at every member (SWEEP)
+        self._asleep_since = 0.0  # when the current sleeping wait began
         #: ``sweep()``: also run by a sleeping wait every SWEEP seconds; raises if a member of
         #: the call outside this group died (``auto``: the ranks of other machines).
         self.sweep: Callable[[], None] | None = None
@@ -351,6 +356,7 @@ class Control:
         asleep = self._asleep
         me = self.rank
         asleep[me] = 1
+        self._asleep_since = time.monotonic()
         try:
             while True:
                 seen = int(counters[peer])
@@ -433,7 +439,7 @@ class Control:
             died = self._member_died(peer, target)
             if died is not None:
                 raise died
-            if self.sweep is not None:
+            if self.sweep is not None and time.monotonic() - self._asleep_since >= SWEEP_ELSEWHERE:
                 self.sweep()
         if deadline.remaining() <= 0:
             raise DistTimeoutError(

@@ -983,7 +983,7 @@ class TcpTransport:
             lost = {r: p.error for r, p in self._peers.items()  # (not one that said BYE: done)
                     if p.state == "dead" and p.error is not None and not p.left}
             if lost:
-                self._matcher.fail_calls_without(lost)
+                self._matcher.fail_calls_without(lost, CALL_EVERY)
             for peer, group, tag in self._matcher.calls_to_tell(CALL_EVERY):
                 p = self._peers.get(peer)
                 if p is not None and p.state == "up":
