@@ -72,3 +72,31 @@ def test_misused_group_arguments_name_the_type():
     for text in said[3:5]:
         assert text.startswith("DistTypeError: ranks_per_subgroup_list must be a list of lists"), text
     assert said[5] == "DistTypeError: group must be a distcomm ProcessGroup or None, got str", said[5]
+
+
+def _flags(rank: int, world_size: int, backend: str, port: int) -> list[str]:
+    with process_group(rank, world_size, backend, port):
+        said = []
+        for call in (lambda: dist.all_reduce(np.ones(2), async_op="no"),
+                     lambda: dist.barrier(async_op="yes"),
+                     lambda: dist.monitored_barrier(wait_all_ranks="no")):
+            try:
+                call()
+                said.append("no error")
+            except dist.DistError as e:
+                said.append(f"{type(e).__name__}: {e}")
+        work = dist.all_reduce(np.ones(2), async_op=np.True_)  # NumPy's bool is a bool
+        work.wait()
+        y = np.ones(2)
+        dist.all_reduce(y)
+        assert (y == world_size).all()
+        return said
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flags_must_be_bools(backend):
+    """A string flag ("no") counted as true: the call silently became asynchronous."""
+    for said in run_world(_flags, 2, backend, timeout=60):
+        assert said == ["DistTypeError: async_op must be a bool, got str 'no'",
+                        "DistTypeError: async_op must be a bool, got str 'yes'",
+                        "DistTypeError: wait_all_ranks must be a bool, got str 'no'"], said

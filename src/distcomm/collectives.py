@@ -25,7 +25,7 @@ from .arrays import ArrayRef, as_array, data_address
 from .deadline import Timeout, to_seconds
 from .debug import monitored_barrier as _monitored
 from .errors import DistInputError, DistTypeError
-from .group import ProcessGroup
+from .group import ProcessGroup, as_flag
 from .reduce_op import ReduceOp, check_op
 from .transport.base import check_p2p_tag
 from .work import Work
@@ -435,7 +435,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Timeout | None
     if pg is None:
         return
     seconds = pg.timeout if timeout is None else to_seconds(timeout)
-    _monitored.monitored_barrier(pg, seconds, bool(wait_all_ranks))
+    _monitored.monitored_barrier(pg, seconds, as_flag(wait_all_ranks, "wait_all_ranks"))
 
 
 # -- point to point --------------------------------------------------------------------------

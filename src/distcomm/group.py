@@ -21,12 +21,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import numpy as np
+
 from .deadline import Deadline
 from .debug import recorder as _rec
 from .debug.recorder import COMPLETED as _COMPLETED
 from .debug.recorder import STARTED as _STARTED
 from .debug.recorder import now as _now
-from .errors import DistBackendError, DistDesyncError, DistError, DistTimeoutError
+from .errors import DistBackendError, DistDesyncError, DistError, DistTimeoutError, DistTypeError
 from .work import Work, finished
 
 __all__ = ["ProcessGroup"]
@@ -145,6 +147,14 @@ def describe_rank(ranks: list[int], r: int, shown: list[int] | None = None) -> s
     return f"rank {me}" if me == g else f"rank {me} (group rank {g})"
 
 
+def as_flag(value: Any, name: str) -> bool:
+    """``value`` as a bool (NumPy's included), or a DistTypeError: a string such as "no" would
+    count as true."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise DistTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r:.40}")
+
+
 class ProcessGroup:
     """A set of ranks that communicate; subclasses provide the operations.
 
@@ -261,6 +271,8 @@ class ProcessGroup:
         """
         if self._broken is not None or self._closed:
             self.check_usable()
+        if async_op is not False and async_op is not True:
+            async_op = as_flag(async_op, "async_op")
         seq = next(self._seqs)  # (_next_seq, inline: this path runs for every small call)
         if self._detail is not None and info is not None:
             run = self._detail.wrap(op, info, run)
