@@ -66,3 +66,48 @@ def test_sigusr1_dumps_while_the_main_thread_waits_in_cpp(tmp_path, mode):
     written, reason = seen["dumps"][0]
     assert reason == "SIGUSR1 (the main thread was blocked outside Python)", reason
     assert written < seen["completed"], "the dump waited for the main thread"
+
+
+FORKED = """
+import json, multiprocessing as mp, os, signal, sys, time
+import distcomm as dist
+from distcomm.store import HashStore
+dist.init_process_group("tcp", store=HashStore(), rank=0, world_size=1)
+path = os.path.join(sys.argv[1], "rank0.json")
+def child():
+    time.sleep(2.5)
+p = mp.get_context("fork").Process(target=child)
+p.start()
+time.sleep(0.3)
+os.kill(p.pid, signal.SIGUSR1)  # the child only (its inherited handler dumps)
+time.sleep(1.5)  # (the parent's main thread runs Python: it would dump at once if signalled)
+p.join()
+seen = {"child": p.pid}
+with open(path) as f:
+    d = json.load(f)
+seen["after_child"] = [d["pid"], d["reason"]]
+os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(1.5)
+with open(path) as f:
+    d = json.load(f)
+seen["after_parent"] = [d["pid"], d["reason"]]
+dist.destroy_process_group()
+print(json.dumps(seen))
+"""
+
+
+def test_a_forked_childs_signal_is_not_the_parents(tmp_path):
+    """A child forked after init shared its parent's wakeup socket: the child's SIGUSR1 made
+    the parent's watcher dump ("blocked outside Python"), and the parent's next own dump came
+    late under that reason."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(FORKED))
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    env = dict(os.environ, DISTCOMM_FLIGHT_RECORDER_DIR=str(dumps))
+    out = subprocess.run([sys.executable, str(prog), str(dumps)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["after_child"] == [seen["child"], "SIGUSR1"], seen
+    assert seen["after_parent"][1] == "SIGUSR1" and seen["after_parent"][0] != seen["child"], seen

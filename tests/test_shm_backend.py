@@ -227,8 +227,8 @@ def test_a_peer_that_posts_and_then_goes_is_not_reported_as_gone(how):
             def dead(self, rank: int) -> bool:
                 return gone["left"]
 
-            def first_dead(self, skip: int = -1) -> int | None:
-                return 0 if gone["left"] and skip != 0 else None
+            def dead_ranks(self, skip: int = -1) -> list[int]:
+                return [0] if gone["left"] and skip != 0 else []
 
             def close(self) -> None:
                 pass

@@ -294,6 +294,7 @@ def init_process_group(
         world.groups[pg.group_name] = pg
         GroupMember.WORLD = pg
         _world = world
+        _teardown_in_mp_child()
         _debug.world_started(prefixed, pg, rank, world_size, seconds, time.monotonic() - started)
         # The set-up's keys (each rank's setup_pid, rank 0's debug/run_id) are read only while
         # the world is made: the last rank past here deletes them, so that init/destroy cycles
@@ -373,6 +374,22 @@ def _close_all(resources: list[Any]) -> None:
             r.close()
         except Exception:  # noqa: BLE001 - teardown goes on
             pass
+
+
+_finalizer_pid = 0  # the process that registered _teardown_in_mp_child's finalizer
+
+
+def _teardown_in_mp_child() -> None:
+    """A multiprocessing child started by fork or forkserver (``distcomm.spawn``'s
+    ``start_method``, ``multiprocessing.Process`` on Linux) ends with ``os._exit``: no atexit,
+    so no BYE, and its peers would take a normal end for a crash.  Its finalizers run."""
+    global _finalizer_pid
+    import multiprocessing
+    import multiprocessing.util
+
+    if multiprocessing.parent_process() is not None and _finalizer_pid != os.getpid():
+        _finalizer_pid = os.getpid()  # (once per process: the teardown ends every world)
+        multiprocessing.util.Finalize(None, _teardown_at_exit, exitpriority=100)
 
 
 @atexit.register

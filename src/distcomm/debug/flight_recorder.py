@@ -337,6 +337,27 @@ class _SignalWatcher:
 _watcher: _SignalWatcher | None = None
 
 
+def _forget_watcher_in_child() -> None:
+    """A forked child shares the parent's wakeup socket: its signals would reach the parent's
+    watcher (a dump there, and a dump owed that swallows the parent's next one).  The child
+    lets go of it (a later ``init_process_group`` there starts its own)."""
+    global _watcher, _owed
+    w, _watcher, _owed = _watcher, None, 0
+    if w is None:
+        return
+    try:
+        now = signal.set_wakeup_fd(-1)
+        if now not in (-1, w._w.fileno()):
+            signal.set_wakeup_fd(now)
+    except (ValueError, OSError):
+        pass
+    w._close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_watcher_in_child)
+
+
 def install_signal_handler() -> bool:
     """Dump on SIGUSR1 if the signal has no handler of the program's (main thread only)."""
     global _handler_installed, _watcher

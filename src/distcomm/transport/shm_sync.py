@@ -193,9 +193,9 @@ class _PeerWatch:
             return False
         return False
 
-    def first_dead(self, skip: int = -1) -> int | None:
-        """The first watched rank but ``skip`` whose process exited, or None."""
-        return next((r for r in self._pids if r != skip and self.dead(r)), None)
+    def dead_ranks(self, skip: int = -1) -> list[int]:
+        """The watched ranks but ``skip`` whose process exited."""
+        return [r for r in self._pids if r != skip and self.dead(r)]
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
@@ -381,8 +381,9 @@ class Control:
     def _member_died(self, peer: int, target: int) -> DistBackendError | None:
         """The error naming a member other than ``peer`` whose process exited before posting
         phase ``target`` (the call this rank waits in cannot end without it), or None."""
-        dead = None if self._watch is None else self._watch.first_dead(skip=peer)
-        if dead is None or self.counters[dead] >= target:
+        dead = next((r for r in self._watch.dead_ranks(skip=peer) if self.counters[r] < target), None) \
+            if self._watch is not None else None
+        if dead is None:
             return None
         return DistBackendError(
             f"{self._describe(dead)} died (its process exited) before its part of the call this rank "
