@@ -165,6 +165,11 @@ def _flat(arr: np.ndarray) -> np.ndarray:
     return arr if arr.ndim == 1 else arr.reshape(-1)
 
 
+#: An all_to_all's first-round header word 2: this rank can be read in place (a reader), and
+#: the call is large here (from ``alltoall_remote_bytes``).
+_A2A_READABLE, _A2A_LARGE = 1, 2
+
+
 class _Sources:
     """Where every rank's array of a direct collective lies, read from here: in a
     peer's heap (mapped here) or in its private memory (through the reader).
@@ -936,8 +941,11 @@ class ShmCollectives:
         views = self._views(send.dtype)
         per = self._alltoall_per(views, send.dtype)
         others = self._others()
-        # a large call: what is left after the first round may be read from peers' send buffers
-        direct = self.reader is not None and max(send.nbytes, recv.nbytes) >= self.alltoall_remote_bytes
+        # what is left after the first round may be read from peers' send buffers, when every
+        # rank can be read and the call is large on one of them (see _a2a_direct)
+        flags = _A2A_READABLE if self.reader is not None else 0
+        if flags and max(send.nbytes, recv.nbytes) >= self.alltoall_remote_bytes:
+            flags |= _A2A_LARGE
         while True:
             q = self._begin()
             used = self._all_write(deadline)
@@ -954,10 +962,11 @@ class ShmCollectives:
                 words = self._words[me][used[me]]
                 words[4], words[5] = split_hashes(self._split_weights, send_counts, recv_counts)
                 self._say(used[me], q, _ALLTOALL, None)
-                head[2] = int(direct)
-                head[3] = data_address(send) if direct else 0
-                if direct:  # where each peer's block starts in this rank's send buffer
-                    self._offsets_table(me, used[me])[:] = s_off[:n]
+                head[2] = flags
+                head[3] = 0
+                if flags and left:  # (peers read only from a rank with more than a round to send)
+                    head[3] = data_address(send)
+                    self._offsets_table(me, used[me])[:] = s_off[:n]  # where each peer's block starts
             self.ctl.post(q)
             more = left > 0
             for j in others:
@@ -971,17 +980,14 @@ class ShmCollectives:
             self._read_until(used[me], q)
             if lo == 0:
                 self._check_splits(used)
-            if lo == 0 and more and direct:
-                heads = [self._headers[j][used[j]] for j in range(n)]
-                if all(int(h[2]) and int(h[3]) for h in heads):  # every rank alike
-                    self.remote_calls += 1
-                    src = _Sources(self, send, [-1] * n, [int(h[3]) for h in heads])
-                    for j in others:
-                        if recv_counts[j] > per:
-                            at = int(self._offsets_table(j, used[j])[me])
-                            src.copy(j, at + per, at + recv_counts[j], recv[r_off[j] + per : r_off[j + 1]])
-                    self._finish_direct(deadline)
-                    return
+            if lo == 0 and more and flags and self._a2a_direct(used):
+                src = _Sources(self, send, [-1] * n, [self._words[j][used[j]][3] for j in range(n)])
+                for j in others:
+                    if recv_counts[j] > per:  # (then rank j had more to send: it said where)
+                        at = int(self._offsets_table(j, used[j])[me])
+                        src.copy(j, at + per, at + recv_counts[j], recv[r_off[j] + per : r_off[j + 1]])
+                self._finish_direct(deadline)
+                return
             if not more:
                 return
             lo += per
@@ -997,7 +1003,8 @@ class ShmCollectives:
         used = self._all_write(deadline)
         views[me][used[me]][: n * per].reshape(n, per)[:, :c] = send.reshape(n, c)
         words = self._words[me][used[me]]
-        words[0] = words[2] = 0
+        words[0] = words[3] = 0  # (nothing to read here after this phase: every block fits it)
+        words[2] = _A2A_READABLE if self.reader is not None else 0
         words[4], words[5] = split_hashes(self._split_weights, counts, counts)
         self._say(used[me], q, _ALLTOALL, None)
         self.ctl.post(q)
@@ -1008,8 +1015,23 @@ class ShmCollectives:
         lo, hi = me * per, me * per + c
         for j in range(n):
             recv[j * c : j * c + c] = views[j][used[j]][lo:hi]
-        # a peer on the general path (its own counts differ) may have more for another rank
-        return any(self._words[j][used[j]][0] > 0 for j in range(n))
+        # a peer on the general path (its own counts differ) may have more for another rank:
+        # this rank joins the rest of the call, its trailing phase alone if peers read in place
+        more = any(self._words[j][used[j]][0] > 0 for j in range(n))
+        if more and self.reader is not None and self._a2a_direct(used):
+            self._finish_direct(deadline)
+            return False
+        return more
+
+    def _a2a_direct(self, used: list[int]) -> bool:
+        """After the first round of an all_to_all that goes on: whether the ranks read the
+        rest of their blocks in peers' send buffers (every rank alike, from the headers: each
+        can be read, and the call is large on one of them); counted in remote_calls."""
+        heads = [self._words[j][used[j]] for j in range(self.size)]
+        if all(h[2] & _A2A_READABLE for h in heads) and any(h[2] & _A2A_LARGE for h in heads):
+            self.remote_calls += 1
+            return True
+        return False
 
     def _check_splits(self, used: list[int]) -> None:
         """After the first round of an all_to_all (every rank's header seen): raise on every
