@@ -126,15 +126,20 @@ def _disagreeing(rank: int, world_size: int, backend: str, port: int, body: Call
     except dist.DistError as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["seconds"] = time.monotonic() - t0
-    # Rank 0 hosts the store: it leaves only once every rank is done with it.  A rank whose
-    # call ends at once (a root whose small sends need no receiver) would otherwise take the
-    # store away from a peer still initialising (with `auto`, its machine's shared-memory
-    # group; seen in CI).  Through the store, not a barrier, which a faster rank's abort fails.
+    # Every rank leaves once all are done with the call: a rank whose own version of it
+    # completed (a binomial broadcast's rank 1, where the last rank expects a chain) would
+    # otherwise destroy its group while a peer waits on it, and that peer could report the
+    # leaving before the message of the other algorithm that says why.  Rank 0 hosts the
+    # store: it closes it last (a rank whose call ends at once would otherwise take it away
+    # from a peer still initialising; seen in CI).  Through the store, not a barrier, which a
+    # faster rank's abort fails.
     store = TCPStore("127.0.0.1", port, world_size, False, 20)
-    store.add("test/done", 1)
     deadline = time.monotonic() + 20
-    while rank == 0 and store.add("test/done", 0) < world_size and time.monotonic() < deadline:
-        time.sleep(0.01)
+    for key in ("test/done", "test/leaving"):
+        store.add(key, 1)
+        while (rank == 0 or key == "test/done") and store.add(key, 0) < world_size \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
     store.close()
     dist.destroy_process_group()
     return out

@@ -606,18 +606,33 @@ class Matcher:
             or (any_source and req.bound is None and peer in req.members)
         ))
 
+    def fail_left(self, error: BaseException, peer: int, group: int) -> None:
+        """Fail the receives from ``peer`` of ``group``, which it left (``error``); a receive
+        whose call has a message of another collective, root or algorithm held (from any
+        member) fails with that clash instead: the ranks' calls differ, the cause of the
+        leaving (it finished its own version of the call)."""
+        self._fail_where(error, lambda req: req.group == group and req.bound == peer,
+                         lambda req: self.held_clash(req) or error)
+
+    def held_clash(self, req: RecvRequest) -> BaseException | None:
+        """The error for collective receive ``req`` if a message of another collective, root
+        or algorithm is held for its call, from any member (the ranks' calls differ)."""
+        held = self._first_held(req.group, self._clashing(req.group, req.tag)) if tag_code(req.tag) else None
+        return None if held is None else _clash_error(held[0], held[1], req.tag, req.members)
+
     def fail_orphaned(self, error: BaseException, group: int, gone: Callable[[int], bool]) -> None:
         """Fail the receives from any source of ``group`` that no member can satisfy any
         more: ``gone(r)`` is true for every process rank ``r`` of the group but this one's."""
         self._fail_where(error, lambda req: req.group == group and req.bound is None
                          and all(gone(r) for r in req.members))
 
-    def _fail_where(self, error: BaseException, hit: Callable[[RecvRequest], bool]) -> None:
+    def _fail_where(self, error: BaseException, hit: Callable[[RecvRequest], bool],
+                    error_of: Callable[[RecvRequest], BaseException] | None = None) -> None:
         for key in list(self.posts):
             keep = []
             for req in self.posts[key]:
                 if hit(req):
-                    req.complete(error)
+                    req.complete(error if error_of is None else error_of(req))
                 else:
                     keep.append(req)
             if keep:

@@ -501,7 +501,8 @@ class TcpTransport:
                 if (p.state == "dead" or left is not None) and not self._matcher.has_early(req):
                     # (what the peer sent before it left is still delivered, below; what it
                     # sent for another call says more than its leaving)
-                    req.complete(self._matcher.waiting_clash(req) or (p.error if p.state == "dead" else left))
+                    req.complete(self._matcher.waiting_clash(req) or self._matcher.held_clash(req)
+                                 or (p.error if p.state == "dead" else left))
                     return req
                 if connect:
                     to_connect.append(p)
@@ -631,7 +632,7 @@ class TcpTransport:
             if group not in self._open_groups:
                 return  # not a group of this process (or no longer): nothing waits on it
             self._left[(group, p.rank)] = err  # receives from it posted later fail too
-            self._matcher.fail(err, peer=p.rank, group=group, any_source=False)
+            self._matcher.fail_left(err, p.rank, group)
             self._fail_orphaned(group, p.rank)
             for key in [k for k in p.waiting if k[0] == group]:  # sends it will never grant
                 for req in p.waiting.pop(key):
