@@ -930,10 +930,11 @@ class ShmCollectives:
             # (this rank's own counts only: its peers may take the general path below, whose
             # first round has the same layout; if one of them has more, this rank joins the rest)
             views = self._views(send.dtype)
-            if send_counts[0] <= self._alltoall_per(views, send.dtype):
+            per = self._alltoall_per(views, send.dtype)
+            if send_counts[0] <= per:
                 if not self._alltoall_one_slot(send, recv, send_counts, views, deadline):
                     return
-                lo = self._alltoall_per(views, send.dtype)
+                lo = per
         s_off, r_off = offsets(send_counts), offsets(recv_counts)  # (np.cumsum: 10 us here)
         copy_into(recv[r_off[me] : r_off[me + 1]], send[s_off[me] : s_off[me + 1]])  # (sizes checked by the group)
         if n == 1:

@@ -273,6 +273,12 @@ class _Peer:
         self.connector: threading.Thread | None = None  # connecting because it probed us
 
 
+def _ended(p: _Peer, crashed_only: bool) -> bool:
+    """Whether ``p``'s connection ended with an error (with ``crashed_only``, not after the
+    peer's BYE: a peer that said goodbye was done)."""
+    return p.state == "dead" and p.error is not None and not (crashed_only and p.left)
+
+
 class TcpTransport:
     """Point-to-point messages between the processes of one job, over TCP.
 
@@ -398,8 +404,8 @@ class TcpTransport:
         ended it; None if none did."""
         for r in ranks:
             p = self._peers.get(r)
-            if p is not None and p.state == "dead" and p.error is not None and not (crashed_only and p.left):
-                return r, p.error
+            if p is not None and _ended(p, crashed_only):
+                return r, p.error  # type: ignore[return-value]
         return None
 
     def post_send(
@@ -981,8 +987,7 @@ class TcpTransport:
         in another collective at that point fails it, and its abort reaches this rank."""
         told = []
         with self._mu:
-            lost = {r: p.error for r, p in self._peers.items()  # (not one that said BYE: done)
-                    if p.state == "dead" and p.error is not None and not p.left}
+            lost = {r: p.error for r, p in self._peers.items() if _ended(p, crashed_only=True)}
             if lost:
                 self._matcher.fail_calls_without(lost, CALL_EVERY)
             for peer, group, tag in self._matcher.calls_to_tell(CALL_EVERY):
